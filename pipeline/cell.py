@@ -1,0 +1,67 @@
+"""One cell of an experiment: data -> train -> evaluate -> plot, as one MLflow run."""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+
+import mlflow
+import torch
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig, OmegaConf
+
+from pipeline import config, data, evaluate, plot, tracking, train
+
+log = logging.getLogger(__name__)
+
+
+def output_dir() -> Path:
+    try:
+        return Path(HydraConfig.get().runtime.output_dir)
+    except ValueError:  # called outside a Hydra app (tests, notebooks)
+        return Path.cwd()
+
+
+def cell_name(cfg: DictConfig, const: config.Constants) -> str:
+    T = const.T[0] if len(const.T) == 1 else f"{min(const.T)}..{max(const.T)}"
+    return f"{cfg.regime.name} N={const.N} eps={cfg.privacy.eps:g} T={T}"
+
+
+def summary(results) -> str:
+    lines = [f"{'method':>10} {'T':>5} {'excess risk (mean +- sd)':>30} {'95% CI of mean':>26} {'test MSE':>10}"]
+    for r in results.itertuples():
+        lines.append(
+            f"{r.method:>10} {r.T:>5} {r.excess_risk_mean:>16.4g} +- {r.excess_risk_sd:<10.3g} "
+            f"[{r.excess_risk_ci_low:>10.4g}, {r.excess_risk_ci_high:>10.4g}] {r.test_mse_mean:>10.4g}"
+        )
+    return "\n".join(lines)
+
+
+def run(cfg: DictConfig) -> Path:
+    """Run one cell; return the path of its ``results.csv``."""
+    const = config.validate(cfg)  # before anything is created or computed
+    if cfg.compute.threads:
+        torch.set_num_threads(int(cfg.compute.threads))
+    out = output_dir()
+    tracking.setup(cfg)
+    tags = {"kind": "cell", "regime": cfg.regime.name, "dataset": cfg.dataset.name}
+    if tracking.sweep_id():
+        tags[tracking.SWEEP_TAG] = tracking.sweep_id()
+    name = cell_name(cfg, const)
+    with tracking.run(name, tags):
+        start = time.perf_counter()
+        mlflow.log_text(OmegaConf.to_yaml(cfg, resolve=True), "config.yaml")
+        problem = data.run(cfg, const)
+        fits = train.run(problem, const, cfg)
+        results = evaluate.run(problem, fits, const, cfg)
+        out.mkdir(parents=True, exist_ok=True)
+        csv = out / "results.csv"
+        results.to_csv(csv, index=False)
+        fig = plot.figure(results, cfg.plot, out / "excess_risk.png")
+        mlflow.log_artifact(str(csv))
+        mlflow.log_artifact(str(fig))
+        tracking.log_metrics("cell", {"seconds": time.perf_counter() - start})
+    log.info("%s\n%s", name, summary(results))
+    log.info("wrote %s and %s", csv, fig)
+    return csv

@@ -1,0 +1,144 @@
+"""The data step: prompt sets for every Monte Carlo trial, as attention features.
+
+Synthetic prompts follow Section 2: tokens x uniform on the sphere S^{D-1}, a fresh
+task w ~ N(0, I_D) per prompt, responses y = w.x + e with e ~ N(0, tau^2). Each
+trial gets N training prompts and ``dataset.n_test`` test prompts. The private
+view of the training prompts (clipped responses, projected features) is built
+here too, since it needs the raw tokens, which are never kept.
+
+Cells of a sweep that share their data (the same N, L, D, seed, ... but another
+eps) reuse the last problem built in this process instead of drawing it again.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from dataclasses import dataclass
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+from tqdm import tqdm
+
+from pipeline import rng
+from pipeline.config import Constants
+from pipeline.features import Features, project_rows
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Problem:
+    """One cell's data, batched over B trials."""
+
+    train: Features  # raw features Z_k and responses y_{k,L+1}: ridge oracle, non-private GD
+    private: Features  # Z~_k = Pi_G(q clip_C-v^T) and clip_C(y_{k,L+1}): NoisyHead
+    test: Features  # fresh, unclipped test prompts
+    clip_fraction: float  # share of training responses y_{k,i} that clip_C changed
+    projected_fraction: float  # share of training features that Pi_G shrank
+    fingerprint: str  # sha256 (prefix) of the raw train and test tensors
+
+    @property
+    def trials(self) -> int:
+        return self.train.q.shape[0]
+
+
+def _sphere_prompts(n_trials: int, n_prompts: int, L: int, D: int, tau: float, gen, C: float | None):
+    """Draw prompts and reduce them to (q, v, y) and, when C is given, the clipped context sum.
+
+    Returns q (b, n, D), v (b, n, D), y_query (b, n), v_clip (b, n, D) or None, n_clipped.
+    Arithmetic runs in float32; the caller casts.
+    """
+    x = torch.empty(n_trials, n_prompts, L + 1, D).normal_(generator=gen)
+    x /= x.norm(dim=-1, keepdim=True)
+    w = torch.empty(n_trials, n_prompts, D, 1).normal_(generator=gen)
+    y = (x @ w).squeeze(-1)
+    if tau > 0:
+        y += tau * torch.empty_like(y).normal_(generator=gen)
+    ctx = x[:, :, :L]
+    v = (y[..., :L].unsqueeze(-2) @ ctx).squeeze(-2) / L
+    v_clip, n_clipped = None, 0
+    if C is not None:
+        yc = y.clamp(-C, C)
+        n_clipped = int((yc != y).sum())  # context and query responses
+        v_clip = (yc[..., :L].unsqueeze(-2) @ ctx).squeeze(-2) / L
+    return x[:, :, L], v, y[:, :, L], v_clip, n_clipped
+
+
+def synthetic(const: Constants, *, trials: int, n_test: int, seed: int, chunk: int, dtype) -> Problem:
+    N, L, D, C, G = const.N, const.L, const.D, const.C, const.G
+    parts = {k: [] for k in ("q", "v", "y", "vc", "tq", "tv", "ty")}
+    n_clipped = 0
+    starts = range(0, trials, chunk)
+    for i, start in enumerate(tqdm(starts, desc="data", leave=False, disable=None)):
+        b = min(chunk, trials - start)
+        q, v, y, vc, nc = _sphere_prompts(b, N, L, D, const.tau, rng.generator(seed, "train", i), C)
+        tq, tv, ty, _, _ = _sphere_prompts(b, n_test, L, D, const.tau, rng.generator(seed, "test", i), None)
+        n_clipped += nc
+        for k, t in zip(parts, (q, v, y, vc, tq, tv, ty)):
+            parts[k].append(t)
+    cat = {k: torch.cat(ts).to(dtype) for k, ts in parts.items()}
+    train = Features(cat["q"], cat["v"], cat["y"])
+    test = Features(cat["tq"], cat["tv"], cat["ty"])
+    v_private = project_rows(cat["vc"], cat["q"], G)
+    projected = (Features(cat["q"], cat["vc"], cat["y"]).norms() > G).double().mean().item()
+    private = Features(cat["q"], v_private, cat["y"].clamp(-C, C))
+    digest = hashlib.sha256()
+    for t in (train.q, train.v, train.y, test.q, test.v, test.y):
+        digest.update(t.contiguous().numpy().tobytes())
+    return Problem(
+        train=train,
+        private=private,
+        test=test,
+        clip_fraction=n_clipped / (trials * N * (L + 1)),
+        projected_fraction=projected,
+        fingerprint=digest.hexdigest()[:16],
+    )
+
+
+DATASETS = {"synthetic": synthetic}
+
+_last: tuple[str, Problem] | None = None
+
+
+def make_problem(cfg: DictConfig, const: Constants) -> Problem:
+    """Build (or reuse) the cell's problem."""
+    global _last
+    dtype = getattr(torch, cfg.compute.dtype)
+    key = json.dumps(
+        {
+            "dataset": OmegaConf.to_container(cfg.dataset, resolve=True),
+            "const": [const.N, const.L, const.D, const.tau, const.C, const.G],
+            "trials": cfg.trials,
+            "seed": cfg.seed,
+            "chunk": cfg.compute.chunk_trials,
+            "dtype": cfg.compute.dtype,
+        },
+        sort_keys=True,
+    )
+    if _last is not None and _last[0] == key:
+        log.info("data: reusing the prompts of the previous cell (same data config)")
+        return _last[1]
+    _last = None  # free the previous problem before drawing the next
+    problem = DATASETS[cfg.dataset.name](
+        const, trials=cfg.trials, n_test=cfg.dataset.n_test, seed=cfg.seed,
+        chunk=cfg.compute.chunk_trials, dtype=dtype,
+    )
+    _last = (key, problem)
+    return problem
+
+
+def run(cfg: DictConfig, const: Constants) -> Problem:
+    """The data step: build the problem and log what was generated."""
+    from pipeline import tracking
+
+    problem = make_problem(cfg, const)
+    B, N, D = problem.train.shape
+    tracking.log_params("data", {
+        "dataset": cfg.dataset.name, "seed": cfg.seed, "trials": B, "n_test": problem.test.shape[1],
+        "train_shape": f"{B}x{N}x{const.L + 1}x{D}", "test_shape": f"{B}x{problem.test.shape[1]}x{const.L + 1}x{D}",
+        "fingerprint": problem.fingerprint,
+    })
+    tracking.log_metrics("data", {"clip_fraction": problem.clip_fraction, "projected_fraction": problem.projected_fraction})
+    return problem

@@ -1,0 +1,71 @@
+"""Attention features of prompt sets, kept in factored form.
+
+A prompt's feature is the rank-one matrix Z = q v^T (equation 2.5) with q the
+query token x_{L+1} and v = (1/L) sum_i y_i x_i. Storing (q, v) instead of Z
+costs D times less memory, and every operation the estimators need is a pair
+of batched matrix products. Shapes: B trials, N prompts, D dimensions, and M
+parameter matrices per trial (one per horizon T).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+
+@dataclass
+class Features:
+    q: Tensor  # (B, N, D) query tokens
+    v: Tensor  # (B, N, D) context summaries
+    y: Tensor  # (B, N) targets y_{L+1}
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        return tuple(self.q.shape)  # type: ignore[return-value]
+
+    def __getitem__(self, trials: slice) -> "Features":
+        return Features(self.q[trials], self.v[trials], self.y[trials])
+
+    def inner(self, gamma: Tensor) -> Tensor:
+        """<Gamma_m, Z_k> = q_k^T Gamma_m v_k for gamma (B, M, D, D): returns (B, M, N)."""
+        return ((self.q.unsqueeze(1) @ gamma) * self.v.unsqueeze(1)).sum(-1)
+
+    def combine(self, r: Tensor) -> Tensor:
+        """sum_k r_mk Z_k for weights r (B, M, N): returns (B, M, D, D)."""
+        return (self.q.unsqueeze(1) * r.unsqueeze(-1)).mT @ self.v.unsqueeze(1)
+
+    def flat(self) -> Tensor:
+        """vec(Z_k) (row-major, so vec(Z) . vec(Gamma) = <Gamma, Z>): (B, N, D^2)."""
+        B, N, D = self.shape
+        return (self.q.unsqueeze(-1) * self.v.unsqueeze(-2)).reshape(B, N, D * D)
+
+    def gram(self) -> Tensor:
+        """(1/N) sum_k vec(Z_k) vec(Z_k)^T: (B, D^2, D^2)."""
+        z = self.flat()
+        return z.mT @ z / z.shape[1]
+
+    def kernel(self) -> Tensor:
+        """K_jk = <Z_j, Z_k> = (q_j.q_k)(v_j.v_k): (B, N, N)."""
+        return (self.q @ self.q.mT) * (self.v @ self.v.mT)
+
+    def moment(self) -> Tensor:
+        """(1/N) sum_k y_k Z_k: (B, D, D)."""
+        return self.combine(self.y.unsqueeze(1)).squeeze(1) / self.y.shape[1]
+
+    def norms(self) -> Tensor:
+        """||Z_k||_F = ||q_k|| ||v_k||: (B, N)."""
+        return self.q.norm(dim=-1) * self.v.norm(dim=-1)
+
+
+def project_rows(v: Tensor, q: Tensor, G: float) -> Tensor:
+    """Pi_G on q v^T: rescale v so that ||q v^T||_F = ||q|| ||v|| <= G."""
+    norm = q.norm(dim=-1, keepdim=True) * v.norm(dim=-1, keepdim=True)
+    return v * torch.clamp(G / norm.clamp_min(torch.finfo(v.dtype).tiny), max=1.0)
+
+
+def project_frobenius(gamma: Tensor, R: float) -> Tensor:
+    """Pi_R: the nearest matrix of Frobenius norm at most R (batched over leading dims)."""
+    norm = torch.linalg.matrix_norm(gamma, keepdim=True)
+    return gamma * torch.clamp(R / norm.clamp_min(torch.finfo(gamma.dtype).tiny), max=1.0)

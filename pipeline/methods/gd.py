@@ -1,0 +1,26 @@
+"""Non-private gradient descent ("cost of descent"): Algorithm 1's update on raw
+features, with no clipping, no projection and no noise, from the same start."""
+
+from __future__ import annotations
+
+import torch
+
+from pipeline import rng
+from pipeline.methods.base import Fit, chunks
+from pipeline.methods.descent import Quadratic, descend, initial_gamma
+
+
+def fit(problem, const, cfg) -> Fit:
+    B, N, D = problem.train.shape
+    dtype = problem.train.q.dtype
+    gram = Quadratic.prefers_gram(N, D, max(const.T))
+    parts, trace = [], []
+    for i, sl in chunks(B, cfg.compute.chunk_trials, "gd"):
+        gamma0 = initial_gamma(
+            trials=sl.stop - sl.start, D=D, scale=const.init_scale, R=const.R,
+            gen=rng.generator(cfg.seed, "init", i), dtype=dtype,
+        )
+        gamma, tr = descend(Quadratic(problem.train[sl], gram), gamma0, lam=const.lam, eta0=const.eta0, T=const.T)
+        parts.append(gamma)
+        trace = trace or tr
+    return Fit(gamma=torch.cat(parts), private=False, trace=trace)

@@ -1,0 +1,72 @@
+"""The plot step: figures drawn from ``results.csv`` rows, for one cell or a whole sweep.
+
+What goes on the axes is configuration (``conf/config.yaml: plot``): ``x`` (auto: T when
+a cell has several horizons, else N), one line per ``hue`` value (auto: eps when it
+varies), one panel per method or all methods in one panel, and error bars of
+``k_sd`` standard deviations across trials, either of the excess risk itself
+(``error_bars: sd``) or of its log10 (``log_sd``, for log-scale figures).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+import pandas as pd  # noqa: E402
+import seaborn as sns  # noqa: E402
+from omegaconf import DictConfig  # noqa: E402
+
+LABELS = {"gd": "non-private GD (cost of descent)", "noisyhead": "NoisyHead (cost of privacy)"}
+
+
+def _auto(df: pd.DataFrame, spec: DictConfig) -> tuple[str, str | None]:
+    x = spec.x
+    if x == "auto":
+        x = "T" if df["T"].nunique() > 1 and df["N"].nunique() == 1 else "N"
+    hue = spec.hue
+    if hue == "auto":
+        hue = "eps" if df["eps"].nunique() > 1 else None
+    return x, hue
+
+
+def figure(df: pd.DataFrame, spec: DictConfig, path: Path) -> Path:
+    """Excess risk against ``x``, one line per ``hue``, with +-k sd error bars; saved as PNG."""
+    df = df[df["method"].isin(list(spec.methods))].copy()
+    x, hue = _auto(df, spec)
+    k = float(spec.k_sd)
+    if spec.error_bars == "log_sd":
+        df["y"] = 10 ** df["log10_excess_mean"]
+        df["lo"] = df["y"] - 10 ** (df["log10_excess_mean"] - k * df["log10_excess_sd"])
+        df["hi"] = 10 ** (df["log10_excess_mean"] + k * df["log10_excess_sd"]) - df["y"]
+    else:
+        df["y"] = df["excess_risk_mean"]
+        df["lo"] = df["hi"] = k * df["excess_risk_sd"]
+        if spec.yscale == "log":  # a bar below zero cannot be drawn on a log axis
+            df["lo"] = np.minimum(df["lo"], df["y"] * (1 - 1e-3))
+    panels = sorted(df["method"].unique()) if spec.facet == "method" else [None]
+    fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4.2), squeeze=False)
+    palette = sns.color_palette("viridis", df[hue].nunique()) if hue else sns.color_palette("tab10")
+    for ax, panel in zip(axes[0], panels):
+        sub = df if panel is None else df[df["method"] == panel]
+        groups = sub.groupby(hue) if hue else sub.groupby("method")
+        for color, (key, g) in zip(palette, groups):
+            g = g.sort_values(x)
+            label = f"{hue} = {key:g}" if hue else LABELS.get(key, key)
+            ax.errorbar(g[x], g["y"], yerr=[g["lo"], g["hi"]], marker="o", ms=4, capsize=3, label=label, color=color)
+        ax.set_xlabel(x)
+        ax.set_ylabel("excess risk vs ridge")
+        ax.set_yscale(spec.yscale)
+        ax.set_title(LABELS.get(panel, panel) if panel else (spec.title or ""))
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    if spec.title and panels != [None]:
+        fig.suptitle(spec.title)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=130)
+    plt.close(fig)
+    return path

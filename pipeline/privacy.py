@@ -1,0 +1,75 @@
+"""Sensitivities and noise calibration of the private mechanisms.
+
+Everything privacy-critical is here, stated as formulas with their source, so
+that "where is the noise calibrated" has one answer. The noise itself is drawn
+where the mechanism runs (``pipeline/methods/noisyhead.py``).
+
+Neighbouring prompt sets differ in one prompt (replace-one, Definition 3.1).
+"""
+
+from __future__ import annotations
+
+import math
+
+from omegaconf import DictConfig
+
+
+def noisyhead_sensitivity(*, C: float, G: float, R: float) -> float:
+    """sigma = 2 G (C + R G) (Theorem 3.2, proof A.2).
+
+    One prompt contributes (<Gamma, Z~> - clip_C(y)) Z~ to the gradient sum, with
+    ||Z~||_F <= G (projection), |<Gamma, Z~>| <= R G (||Gamma||_F <= R) and
+    |clip_C(y)| <= C, so its norm is at most G (C + R G); replacing the prompt
+    moves the sum by at most twice that. Scaled by eta0 / N it bounds the change
+    of one update: ``step_sensitivity``.
+    """
+    return 2 * G * (C + R * G)
+
+
+def step_sensitivity(*, eta0: float, sigma: float, N: int) -> float:
+    """l2-sensitivity of one NoisyHead update before noise: eta0 sigma / N."""
+    return eta0 * sigma / N
+
+
+def gaussian_std(*, sensitivity: float, eps: float, delta: float) -> float:
+    """Classic Gaussian mechanism (Dwork-Roth Thm A.1): (eps, delta)-DP for eps < 1 with
+    std = sensitivity * sqrt(2 log(1.25 / delta)) / eps."""
+    if not 0 < eps < 1:
+        raise ValueError(f"the classic Gaussian mechanism needs 0 < eps < 1, got {eps}")
+    if not 0 < delta < 1:
+        raise ValueError(f"delta must lie in (0, 1), got {delta}")
+    return sensitivity * math.sqrt(2 * math.log(1.25 / delta)) / eps
+
+
+def noisyhead_step_std(*, eta0: float, sigma: float, N: int, T: int, eps: float, delta: float) -> float:
+    """Per-step noise std of Algorithm 1 under basic composition.
+
+    Each of the T steps is the Gaussian mechanism at (eps / T, delta / T), so the
+    T-fold composition is (eps, delta)-DP; this is the paper's
+    s^2 = 2 eta0^2 T^2 sigma^2 log(1.25 T / delta) / (eps^2 N^2).
+    """
+    return gaussian_std(
+        sensitivity=step_sensitivity(eta0=eta0, sigma=sigma, N=N), eps=eps / T, delta=delta / T
+    )
+
+
+ACCOUNTANTS = ("basic",)
+
+
+def check_budget(privacy: DictConfig, *, T: tuple[int, ...]) -> None:
+    """Refuse a privacy config the calibration cannot honour (raises ConfigError)."""
+    from pipeline.config import ConfigError
+
+    eps, delta = privacy.eps, privacy.delta
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps > 0:
+        raise ConfigError(f"privacy.eps must be a positive number, got {eps!r}")
+    if isinstance(delta, bool) or not isinstance(delta, (int, float)) or not 0 < delta < 1:
+        raise ConfigError(f"privacy.delta must lie in (0, 1), got {delta!r}")
+    if privacy.accountant not in ACCOUNTANTS:
+        raise ConfigError(f"privacy.accountant {privacy.accountant!r} is unknown; known: {list(ACCOUNTANTS)}")
+    too_short = [t for t in T if eps / t >= 1]
+    if too_short:
+        raise ConfigError(
+            f"privacy.eps = {eps} with T = {too_short[0]} gives a per-step eps of {eps / too_short[0]:.3g}; "
+            "the basic accountant's Gaussian calibration is only proven for per-step eps < 1"
+        )

@@ -1,0 +1,46 @@
+"""Hydra callback that turns the cells of a multirun into one result.
+
+At the start of a sweep it names the sweep (cells tag their MLflow runs with it);
+at the end it concatenates the cells' ``results.csv`` into the sweep folder, draws
+the sweep's figure there, and logs both to a parent MLflow run that the cells are
+attached to.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import uuid
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+from hydra.experimental.callback import Callback
+from omegaconf import DictConfig
+
+from pipeline import plot, tracking
+
+log = logging.getLogger(__name__)
+
+
+class SweepCallback(Callback):
+    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        os.environ[tracking.SWEEP_ENV] = f"{Path(config.hydra.sweep.dir).name}-{uuid.uuid4().hex[:6]}"
+
+    def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
+        sweep = os.environ.pop(tracking.SWEEP_ENV, None)
+        sweep_dir = Path(config.hydra.sweep.dir)
+        frames = [pd.read_csv(p) for p in sorted(sweep_dir.glob("*/results.csv"))]
+        if not frames or sweep is None:
+            return
+        results = pd.concat(frames, ignore_index=True)
+        csv = sweep_dir / "results.csv"
+        results.to_csv(csv, index=False)
+        fig = plot.figure(results, config.plot, sweep_dir / "excess_risk.png")
+        tracking.setup(config)
+        name = config.get("experiment_name") or f"sweep {config.regime.name}"
+        tracking.finish_sweep(
+            sweep, name, [str(csv), str(fig)],
+            params={"cells": len(frames), "regime": config.regime.name, "sweep_dir": str(sweep_dir)},
+        )
+        log.info("sweep of %d cells: wrote %s and %s", len(frames), csv, fig)
