@@ -23,7 +23,7 @@ from tqdm import tqdm
 
 from pipeline import rng
 from pipeline.config import Constants
-from pipeline.features import Features, project_rows
+from pipeline.features import Features, from_tokens, privatize
 
 log = logging.getLogger(__name__)
 
@@ -45,54 +45,57 @@ class Problem:
 
 
 def _sphere_prompts(n_trials: int, n_prompts: int, L: int, D: int, tau: float, gen, C: float | None):
-    """Draw prompts and reduce them to (q, v, y) and, when C is given, the clipped context sum.
+    """Draw prompts and reduce them to raw features and, when C is given, clipped ones.
 
-    Returns q (b, n, D), v (b, n, D), y_query (b, n), v_clip (b, n, D) or None, n_clipped.
-    Arithmetic runs in float32; the caller casts.
+    Returns raw (b, n) Features, clipped Features or None, and how many responses clip_C changed.
+    Arithmetic runs in float32 (the caller casts), in slices of about ``_SLICE`` numbers so
+    the temporaries stay small; the slices share one generator, so they do not change the draws.
     """
-    x = torch.empty(n_trials, n_prompts, L + 1, D).normal_(generator=gen)
-    x /= x.norm(dim=-1, keepdim=True)
-    w = torch.empty(n_trials, n_prompts, D, 1).normal_(generator=gen)
-    y = (x @ w).squeeze(-1)
-    if tau > 0:
-        y += tau * torch.empty_like(y).normal_(generator=gen)
-    ctx = x[:, :, :L]
-    v = (y[..., :L].unsqueeze(-2) @ ctx).squeeze(-2) / L
-    v_clip, n_clipped = None, 0
-    if C is not None:
-        yc = y.clamp(-C, C)
-        n_clipped = int((yc != y).sum())  # context and query responses
-        v_clip = (yc[..., :L].unsqueeze(-2) @ ctx).squeeze(-2) / L
-    return x[:, :, L], v, y[:, :, L], v_clip, n_clipped
+    raw, clipped, n_clipped = [], [], 0
+    step = max(1, _SLICE // (n_prompts * (L + 1) * D))
+    for s in range(0, n_trials, step):
+        b = min(step, n_trials - s)
+        x = torch.empty(b, n_prompts, L + 1, D).normal_(generator=gen)
+        x /= x.norm(dim=-1, keepdim=True)
+        w = torch.empty(b, n_prompts, 1, D).normal_(generator=gen)
+        y = (x * w).sum(-1)  # (b, n, L+1)
+        if tau > 0:
+            y += tau * torch.empty_like(y).normal_(generator=gen)
+        raw.append(from_tokens(x, y))
+        if C is not None:
+            clipped.append(from_tokens(x, y, clip=C))
+            n_clipped += int((y.abs() > C).sum())  # context and query responses
+    return _cat(raw), _cat(clipped) if clipped else None, n_clipped
+
+
+def _cat(parts: list[Features], dtype=None) -> Features:
+    return Features(*(torch.cat([getattr(p, k) for p in parts]).to(dtype) for k in ("q", "v", "y")))
+
+
+_SLICE = 1 << 22  # numbers per generation slice (16 MB of float32)
 
 
 def synthetic(const: Constants, *, trials: int, n_test: int, seed: int, chunk: int, dtype) -> Problem:
     N, L, D, C, G = const.N, const.L, const.D, const.C, const.G
-    parts = {k: [] for k in ("q", "v", "y", "vc", "tq", "tv", "ty")}
-    n_clipped = 0
-    starts = range(0, trials, chunk)
-    for i, start in enumerate(tqdm(starts, desc="data", leave=False, disable=None)):
+    train, clipped, test, n_clipped = [], [], [], 0
+    for i, start in enumerate(tqdm(range(0, trials, chunk), desc="data", leave=False, disable=None)):
         b = min(chunk, trials - start)
-        q, v, y, vc, nc = _sphere_prompts(b, N, L, D, const.tau, rng.generator(seed, "train", i), C)
-        tq, tv, ty, _, _ = _sphere_prompts(b, n_test, L, D, const.tau, rng.generator(seed, "test", i), None)
+        raw, clip, nc = _sphere_prompts(b, N, L, D, const.tau, rng.generator(seed, "train", i), C)
+        tst, _, _ = _sphere_prompts(b, n_test, L, D, const.tau, rng.generator(seed, "test", i), None)
+        train.append(raw)
+        clipped.append(clip)
+        test.append(tst)
         n_clipped += nc
-        for k, t in zip(parts, (q, v, y, vc, tq, tv, ty)):
-            parts[k].append(t)
-    cat = {k: torch.cat(ts).to(dtype) for k, ts in parts.items()}
-    train = Features(cat["q"], cat["v"], cat["y"])
-    test = Features(cat["tq"], cat["tv"], cat["ty"])
-    v_private = project_rows(cat["vc"], cat["q"], G)
-    projected = (Features(cat["q"], cat["vc"], cat["y"]).norms() > G).double().mean().item()
-    private = Features(cat["q"], v_private, cat["y"].clamp(-C, C))
+    train, clipped, test = _cat(train, dtype), _cat(clipped, dtype), _cat(test, dtype)
     digest = hashlib.sha256()
     for t in (train.q, train.v, train.y, test.q, test.v, test.y):
         digest.update(t.contiguous().numpy().tobytes())
     return Problem(
         train=train,
-        private=private,
+        private=privatize(clipped, G),
         test=test,
         clip_fraction=n_clipped / (trials * N * (L + 1)),
-        projected_fraction=projected,
+        projected_fraction=(clipped.norms() > G).double().mean().item(),
         fingerprint=digest.hexdigest()[:16],
     )
 

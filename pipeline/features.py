@@ -59,6 +59,22 @@ class Features:
         return self.q.norm(dim=-1) * self.v.norm(dim=-1)
 
 
+def from_tokens(x: Tensor, y: Tensor, clip: float | None = None) -> Features:
+    """Features of prompts with tokens x (..., L+1, D) and responses y (..., L+1), the last
+    token being the query. With ``clip=C`` every response is clipped to [-C, C] first
+    (Algorithm 1's clip_C): the context sum and the target both use clipped responses."""
+    if clip is not None:
+        y = y.clamp(-clip, clip)
+    L = x.shape[-2] - 1
+    v = (y[..., :L, None] * x[..., :L, :]).sum(-2) / L
+    return Features(x[..., L, :], v, y[..., L])
+
+
+def privatize(clipped: Features, G: float) -> Features:
+    """Z~ = Pi_G(Z) for features built from clipped responses: ||Z~_k||_F <= G."""
+    return Features(clipped.q, project_rows(clipped.v, clipped.q, G), clipped.y)
+
+
 def project_rows(v: Tensor, q: Tensor, G: float) -> Tensor:
     """Pi_G on q v^T: rescale v so that ||q v^T||_F = ||q|| ||v|| <= G."""
     norm = q.norm(dim=-1, keepdim=True) * v.norm(dim=-1, keepdim=True)

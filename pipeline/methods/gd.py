@@ -7,20 +7,22 @@ import torch
 
 from pipeline import rng
 from pipeline.methods.base import Fit, chunks
-from pipeline.methods.descent import Quadratic, descend, initial_gamma
+from pipeline.methods.descent import Quadratic, descend, initial_gamma, run
 
 
 def fit(problem, const, cfg) -> Fit:
     B, N, D = problem.train.shape
     dtype = problem.train.q.dtype
     gram = Quadratic.prefers_gram(N, D, max(const.T))
+    step = dict(lam=const.lam, eta0=const.eta0, T=const.T)
     parts, trace = [], []
     for i, sl in chunks(B, cfg.compute.chunk_trials, "gd"):
         gamma0 = initial_gamma(
             trials=sl.stop - sl.start, D=D, scale=const.init_scale, R=const.R,
             gen=rng.generator(cfg.seed, "init", i), dtype=dtype,
         )
-        gamma, tr = descend(Quadratic(problem.train[sl], gram), gamma0, lam=const.lam, eta0=const.eta0, T=const.T)
-        parts.append(gamma)
-        trace = trace or tr
+        quad = Quadratic(problem.train[sl], gram)
+        parts.append(run(quad, gamma0, **step))
+        if i == 0:  # the training-loss curve of the first trial
+            trace = descend(quad.subset(torch.tensor([0])), gamma0[:1], **dict(step, T=(max(const.T),)))[1]
     return Fit(gamma=torch.cat(parts), private=False, trace=trace)

@@ -3,7 +3,7 @@
 Privacy: each update's l2-sensitivity is eta0 sigma / N with sigma = 2 G (C + R G)
 (``privacy.noisyhead_sensitivity``), guaranteed by the clipped, projected features
 of ``Problem.private`` and the projection Pi_R of every iterate. The Gaussian noise
-z_t ~ N(0, s^2 I) is added here, in ``descend``, with s from
+z_t = s xi_t ~ N(0, s^2 I) is drawn here (xi) and added in ``descent``, with s from
 ``privacy.noisyhead_step_std`` (basic composition over the T steps).
 """
 
@@ -13,7 +13,7 @@ import torch
 
 from pipeline import privacy, rng
 from pipeline.methods.base import Fit, chunks
-from pipeline.methods.descent import Quadratic, descend, initial_gamma
+from pipeline.methods.descent import Quadratic, descend, initial_gamma, run
 
 
 def fit(problem, const, cfg) -> Fit:
@@ -24,19 +24,21 @@ def fit(problem, const, cfg) -> Fit:
         privacy.noisyhead_step_std(eta0=const.eta0, sigma=const.sigma, N=N, T=T, eps=eps, delta=delta)
         for T in const.T
     )
+    T_max = max(const.T)
     gram = Quadratic.prefers_gram(N, D, sum(const.T))
+    step = dict(lam=const.lam, eta0=const.eta0, radius=const.R)
     parts, trace = [], []
     for i, sl in chunks(B, cfg.compute.chunk_trials, "noisyhead"):
-        gamma0 = initial_gamma(
-            trials=sl.stop - sl.start, D=D, scale=const.init_scale, R=const.R,
-            gen=rng.generator(cfg.seed, "init", i), dtype=dtype,
-        )
-        gamma, tr = descend(
-            Quadratic(problem.private[sl], gram), gamma0, lam=const.lam, eta0=const.eta0, T=const.T,
-            radius=const.R, noise_std=stds, gen=rng.generator(cfg.seed, "noise:noisyhead", i),
-        )
-        parts.append(gamma)
-        trace = trace or tr
+        b = sl.stop - sl.start
+        gamma0 = initial_gamma(trials=b, D=D, scale=const.init_scale, R=const.R,
+                               gen=rng.generator(cfg.seed, "init", i), dtype=dtype)
+        xi = rng.randn((b, T_max, D, D), rng.generator(cfg.seed, "noise:noisyhead", i), dtype)
+        quad = Quadratic(problem.private[sl], gram)
+        parts.append(run(quad, gamma0, T=const.T, noise_std=stds, noise=xi, **step))
+        if i == 0:  # the training-loss curve of the first trial, longest horizon
+            longest = max(range(len(stds)), key=const.T.__getitem__)
+            trace = descend(quad.subset(torch.tensor([0])), gamma0[:1], T=(T_max,),
+                            noise_std=(stds[longest],), noise=xi[:1], **step)[1]
     params = {
         "accountant": cfg.privacy.accountant,
         "sigma": const.sigma,

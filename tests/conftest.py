@@ -1,0 +1,41 @@
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+
+ROOT = Path(__file__).resolve().parents[1]
+torch.set_num_threads(1)
+
+
+@pytest.fixture
+def cfg_for():
+    """Compose the real config with overrides, as `python -m pipeline` would."""
+
+    def make(*overrides: str):
+        with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+            return compose("config", overrides=list(overrides))
+
+    return make
+
+
+@pytest.fixture
+def run_cli(tmp_path):
+    """Run `python -m pipeline ...` into a temporary MLflow store and output folder."""
+    store = f"sqlite:///{tmp_path / 'mlflow.db'}"
+
+    def run(*args: str, expect_ok: bool = True):
+        cmd = [sys.executable, "-m", "pipeline", f"mlflow.tracking_uri={store}",
+               f"hydra.run.dir={tmp_path / 'run'}", f"hydra.sweep.dir={tmp_path / 'sweep'}", *args]
+        env = dict(os.environ, PYTHONWARNINGS="ignore")
+        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env, timeout=600)
+        if expect_ok:
+            assert proc.returncode == 0, proc.stderr[-3000:]
+        return proc
+
+    run.store = store
+    run.tmp = tmp_path
+    return run

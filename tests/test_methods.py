@@ -1,0 +1,186 @@
+"""Estimators against closed forms and against each other."""
+
+import math
+
+import pytest
+import torch
+
+from pipeline import rng
+from pipeline.features import Features, project_frobenius
+from pipeline.methods import closed_form, ridge
+from pipeline.methods.descent import Quadratic, descend, run
+
+D64 = torch.float64
+
+
+def random_features(trials=6, N=40, D=3, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(trials, N, D, generator=g, dtype=D64)
+    q /= q.norm(dim=-1, keepdim=True)
+    return Features(q, torch.randn(trials, N, D, generator=g, dtype=D64), torch.randn(trials, N, generator=g, dtype=D64))
+
+
+def test_features_match_the_dense_definition():
+    f = random_features()
+    Z = f.q.unsqueeze(-1) * f.v.unsqueeze(-2)  # (B, N, D, D), Z = q v^T
+    gamma = torch.randn(6, 2, 3, 3, dtype=D64)
+    assert torch.allclose(f.inner(gamma), torch.einsum("bmij,bnij->bmn", gamma, Z))
+    r = torch.randn(6, 2, 40, dtype=D64)
+    assert torch.allclose(f.combine(r), torch.einsum("bmn,bnij->bmij", r, Z))
+    flat = Z.reshape(6, 40, 9)
+    assert torch.allclose(f.gram(), flat.mT @ flat / 40)
+    assert torch.allclose(f.kernel(), flat @ flat.mT)
+
+
+def test_gram_and_factored_gradients_agree():
+    f = random_features()
+    gamma = torch.randn(6, 4, 3, 3, dtype=D64)
+    (g1, v1), (g2, v2) = Quadratic(f, gram=True).grad(gamma), Quadratic(f, gram=False).grad(gamma)
+    assert torch.allclose(g1, g2) and torch.allclose(v1, v2)
+
+
+@pytest.mark.parametrize("N,D", [(40, 3), (5, 3)])  # primal (N > D^2) and dual (N < D^2) solves
+def test_ridge_solves_its_normal_equations(N, D):
+    f = random_features(N=N, D=D)
+    mu = 0.7
+    gamma = ridge.solve(f, mu)
+    flat = f.flat()
+    lhs = (mu * N * torch.eye(D * D, dtype=D64) + flat.mT @ flat) @ gamma.reshape(6, D * D, 1)
+    rhs = flat.mT @ f.y.unsqueeze(-1)  # equation (2.7) with penalty mu
+    assert torch.allclose(lhs, rhs, atol=1e-10)
+
+
+def test_closed_form_ridge_is_the_fixed_point_of_non_private_gd():
+    f = random_features(N=60, D=3)
+    lam, eta0 = 0.3, 0.5
+    gamma0 = torch.randn(6, 3, 3, dtype=D64)
+    gd, _ = descend(Quadratic(f, gram=False), gamma0, lam=lam, eta0=eta0, T=(2000,))
+    star = ridge.solve(f, ridge.penalty(lam, "update"))
+    assert torch.allclose(gd[:, 0], star, atol=1e-12)
+    # The printed convention (lam N in 2.7) is a different point: GD does not reach it.
+    printed = ridge.solve(f, ridge.penalty(lam, "printed"))
+    assert (gd[:, 0] - printed).abs().max() > 1e-3
+
+
+def test_gd_loss_decreases_monotonically():
+    f = random_features(N=60, D=3)
+    _, trace = descend(Quadratic(f, gram=True), torch.randn(6, 3, 3, dtype=D64), lam=0.3, eta0=0.5, T=(50,))
+    assert len(trace) == 50
+    assert all(b <= a + 1e-12 for a, b in zip(trace, trace[1:]))
+
+
+def test_several_horizons_equal_separate_runs_without_noise():
+    f = random_features()
+    gamma0 = torch.randn(6, 3, 3, dtype=D64)
+    quad = Quadratic(f, gram=False)
+    together, _ = descend(quad, gamma0, lam=0.3, eta0=0.4, T=(7, 2, 11), radius=0.5)
+    for j, T in enumerate((7, 2, 11)):
+        alone, _ = descend(quad, gamma0, lam=0.3, eta0=0.4, T=(T,), radius=0.5)
+        assert torch.allclose(together[:, j], alone[:, 0])
+
+
+def test_zero_noise_noisyhead_is_projected_gd():
+    f = random_features()
+    gamma0 = torch.randn(6, 3, 3, dtype=D64)
+    quad = Quadratic(f, gram=True)
+    xi = rng.randn((6, 9, 3, 3), rng.generator(0, "n"), D64)
+    noisy, _ = descend(quad, gamma0, lam=0.3, eta0=0.4, T=(9,), radius=0.2, noise_std=(0.0,), noise=xi)
+    plain, _ = descend(quad, gamma0, lam=0.3, eta0=0.4, T=(9,), radius=0.2)
+    assert torch.allclose(noisy, plain)
+    assert torch.linalg.matrix_norm(plain).max() <= 0.2 * (1 + 1e-12)
+
+
+def test_frobenius_projection():
+    g = torch.randn(100, 4, 4, dtype=D64) * 3
+    p = project_frobenius(g, 2.0)
+    norms = torch.linalg.matrix_norm(g)
+    assert torch.linalg.matrix_norm(p).max() <= 2.0 * (1 + 1e-12)
+    assert torch.equal(p[norms <= 2.0], g[norms <= 2.0])  # points inside the ball are fixed
+    assert torch.allclose(project_frobenius(p, 2.0), p)  # idempotent
+    outside = norms > 2.0
+    # the projection of an outside point is the closest point of the ball: along the same ray
+    assert torch.allclose(p[outside], g[outside] * (2.0 / norms[outside]).view(-1, 1, 1))
+
+
+def test_the_same_seed_gives_the_same_numbers(cfg_for):
+    from pipeline import config, data
+    from pipeline.methods import METHODS
+
+    cfg = cfg_for("trials=3", "regime.N=50", "dataset.n_test=10", "compute.chunk_trials=2")
+    const = config.validate(cfg)
+    first = data.synthetic(const, trials=3, n_test=10, seed=0, chunk=2, dtype=D64)
+    second = data.synthetic(const, trials=3, n_test=10, seed=0, chunk=2, dtype=D64)
+    assert first.fingerprint == second.fingerprint
+    a = METHODS["noisyhead"](first, const, cfg).gamma
+    b = METHODS["noisyhead"](second, const, cfg).gamma
+    assert torch.equal(a, b)
+    other = data.synthetic(const, trials=3, n_test=10, seed=1, chunk=2, dtype=D64)
+    assert other.fingerprint != first.fingerprint
+
+
+def test_synthetic_prompts_follow_the_model(cfg_for):
+    from pipeline import config, data
+
+    cfg = cfg_for("trials=40", "regime.N=200", "regime.D=4", "regime.L=8")
+    const = config.validate(cfg)
+    p = data.synthetic(const, trials=40, n_test=10, seed=0, chunk=16, dtype=D64)
+    assert torch.allclose(p.train.q.norm(dim=-1), torch.ones(40, 200, dtype=D64))  # tokens on the sphere
+    # y = w.x with w ~ N(0, I) and x on the sphere: y ~ N(0, 1)
+    assert abs(p.train.y.var().item() - 1) < 0.03
+    # E[y_{L+1} Z] = E[x x^T w w^T x x^T]... = I / D^2 for tau = 0
+    m = p.train.moment().mean(0)
+    assert torch.allclose(m, torch.eye(4, dtype=D64) / 16, atol=0.01)
+    assert p.private.y.abs().max() <= const.C
+    assert p.private.norms().max() <= const.G * (1 + 1e-12)
+
+
+HORIZONS = (1, 4, 9, 30, 17)
+
+
+def _noisy_setup(seed=0):
+    f = random_features(trials=40, N=30, D=3, seed=seed)
+    f.v *= 0.3  # so that T eta ||H|| < 1: the series applies
+    gamma0 = project_frobenius(0.3 * torch.randn(40, 3, 3, dtype=D64, generator=torch.Generator().manual_seed(seed)), 1.0)
+    xi = rng.randn((40, max(HORIZONS), 3, 3), rng.generator(seed, "xi"), D64)
+    stds = tuple(0.01 * (1 + j) for j in range(len(HORIZONS)))
+    return f, gamma0, xi, stds
+
+
+@pytest.mark.parametrize("gram", [True, False])
+def test_closed_form_equals_the_step_by_step_run_without_projection(gram):
+    f, gamma0, xi, stds = _noisy_setup()
+    quad = Quadratic(f, gram=gram)
+    lam, eta0 = 0.3, 0.05
+    K = closed_form.terms(max(HORIZONS) * eta0 * quad.norm_bound().max().item())
+    assert K is not None and K < max(HORIZONS)  # fewer products by H than steps
+    step = dict(lam=lam, eta0=eta0, T=HORIZONS, noise_std=stds, noise=xi)
+    fast = closed_form.evaluate(quad, gamma0, terms=K, **step)
+    slow, _ = descend(quad, gamma0, **step)
+    assert torch.allclose(fast, slow, atol=1e-13, rtol=0)
+    det = closed_form.evaluate(quad, gamma0, terms=K, lam=lam, eta0=eta0, T=HORIZONS)
+    assert torch.allclose(det, descend(quad, gamma0, lam=lam, eta0=eta0, T=HORIZONS)[0], atol=1e-13, rtol=0)
+
+
+@pytest.mark.parametrize("radius", [0.6, 0.9, 1.5, 50.0])
+def test_the_projection_certificate_is_sound_and_run_is_exact(radius):
+    f, gamma0, xi, stds = _noisy_setup(seed=3)
+    quad = Quadratic(f, gram=False)
+    step = dict(lam=0.3, eta0=0.05, T=HORIZONS, noise_std=tuple(10 * s for s in stds), noise=xi)
+    projected, _ = descend(quad, gamma0, radius=radius, **step)
+    free, _ = descend(quad, gamma0, **step)
+    ok = closed_form.certified(quad, gamma0, radius=radius, **step)
+    # where the certificate holds, Pi_R never acted: the projected run is the linear one
+    assert torch.allclose(projected[ok], free[ok], atol=1e-13, rtol=0)
+    if radius == 50.0:
+        assert ok.all()
+    if radius == 0.6:
+        assert not ok.all()  # the certificate is not vacuous: it refuses where Pi_R acts
+    assert torch.allclose(run(quad, gamma0, radius=radius, **step), projected, atol=1e-13, rtol=0)
+
+
+def test_series_terms_bound_the_tail():
+    for x in (1e-6, 0.01, 0.3, 1.0):
+        K = closed_form.terms(x)
+        tail = sum(x**k / math.factorial(k) for k in range(K + 1, K + 40))
+        assert tail <= closed_form.TOLERANCE
+    assert closed_form.terms(1.5) is None

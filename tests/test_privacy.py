@@ -1,0 +1,85 @@
+"""Privacy calibration: the stated sensitivity bound holds and the noise is what the formula says."""
+
+import math
+
+import torch
+
+from pipeline import privacy, rng
+from pipeline.features import Features, from_tokens, privatize
+from pipeline.methods.descent import Quadratic, descend, update
+
+C, G, R, LAM, ETA0 = 2.0, 0.8, 5.0, 0.5, 0.05
+SIGMA = privacy.noisyhead_sensitivity(C=C, G=G, R=R)
+
+
+def test_noise_std_matches_the_papers_formula():
+    eta0, sigma, N, T, eps, delta = 0.0649, 106.1, 1000, 44, 0.2, 1e-5
+    s = privacy.noisyhead_step_std(eta0=eta0, sigma=sigma, N=N, T=T, eps=eps, delta=delta)
+    expected = math.sqrt(2 * eta0**2 * T**2 * sigma**2 * math.log(1.25 * T / delta) / (eps**2 * N**2))
+    assert math.isclose(s, expected, rel_tol=1e-12)
+
+
+def test_sensitivity_is_theorem_3_2s_sigma():
+    assert SIGMA == 2 * G * (C + R * G)
+    assert privacy.step_sensitivity(eta0=ETA0, sigma=SIGMA, N=10) == ETA0 * SIGMA / 10
+
+
+def _private(x, y):
+    return privatize(from_tokens(x, y, clip=C), G)
+
+
+def _neighbours(gen, trials, N, L, D, scale):
+    """Random prompt sets and copies with prompt 0 replaced by an arbitrary (large) one."""
+    x = torch.randn(trials, N, L + 1, D, generator=gen, dtype=torch.float64)
+    y = scale * torch.randn(trials, N, L + 1, generator=gen, dtype=torch.float64)
+    x2, y2 = x.clone(), y.clone()
+    x2[:, 0] = scale * torch.randn(trials, L + 1, D, generator=gen, dtype=torch.float64)
+    y2[:, 0] = -y[:, 0] * scale
+    return _private(x, y), _private(x2, y2)
+
+
+def test_one_step_moves_at_most_eta0_sigma_over_n_on_neighbouring_sets():
+    gen = torch.Generator().manual_seed(1)
+    trials, N, L, D = 400, 7, 4, 3
+    bound = privacy.step_sensitivity(eta0=ETA0, sigma=SIGMA, N=N)
+    worst = 0.0
+    for scale in (0.5, 3.0, 50.0):
+        a, b = _neighbours(gen, trials, N, L, D, scale)
+        # Gamma anywhere in the R-ball, including on its boundary aligned with the changed prompt.
+        gamma = torch.randn(trials, 1, D, D, generator=gen, dtype=torch.float64)
+        gamma = gamma / torch.linalg.matrix_norm(gamma, keepdim=True) * R * torch.rand(trials, 1, 1, 1, generator=gen)
+        aligned = (a.q[:, 0, :, None] * a.v[:, 0, None, :]).unsqueeze(1)
+        aligned = -aligned / torch.linalg.matrix_norm(aligned, keepdim=True) * R * torch.sign(a.y[:, 0]).view(-1, 1, 1, 1)
+        for g in (gamma, aligned):
+            ua, _ = update(Quadratic(a, gram=False), g, lam=LAM, eta0=ETA0)
+            ub, _ = update(Quadratic(b, gram=True), g, lam=LAM, eta0=ETA0)
+            worst = max(worst, torch.linalg.matrix_norm(ua - ub).max().item())
+    assert worst <= bound * (1 + 1e-12)
+    assert worst > 0.5 * bound  # the search does reach near the bound, so the check has teeth
+
+
+def test_private_features_respect_clip_and_projection():
+    gen = torch.Generator().manual_seed(2)
+    x = torch.randn(50, 20, 6, 4, generator=gen, dtype=torch.float64)
+    y = 3 * torch.randn(50, 20, 6, generator=gen, dtype=torch.float64)
+    p = _private(x, y)
+    assert p.y.abs().max() <= C
+    assert p.norms().max() <= G * (1 + 1e-12)
+    clipped = from_tokens(x, y, clip=C)
+    inside = clipped.norms() <= G
+    assert inside.any() and (~inside).any()  # both branches of the projection are exercised
+    assert torch.equal(p.v[inside], clipped.v[inside])  # features already in the ball are untouched
+    shrunk = p.norms()[~inside]
+    assert torch.allclose(shrunk, torch.full_like(shrunk, G))  # the rest land on the sphere of radius G
+
+
+def test_injected_noise_has_the_calibrated_std():
+    D, trials, std = 4, 20000, 0.37
+    zero = Features(torch.zeros(trials, 1, D, dtype=torch.float64), torch.zeros(trials, 1, D, dtype=torch.float64),
+                    torch.zeros(trials, 1, dtype=torch.float64))
+    gamma0 = torch.zeros(trials, D, D, dtype=torch.float64)
+    xi = rng.randn((trials, 1, D, D), rng.generator(0, "noise"), torch.float64)
+    out, _ = descend(Quadratic(zero, gram=False), gamma0, lam=LAM, eta0=ETA0, T=(1,), noise_std=(std,), noise=xi)
+    sample = out.flatten()
+    assert abs(sample.mean().item()) < 4 * std / math.sqrt(sample.numel())
+    assert abs(sample.std().item() / std - 1) < 0.01
