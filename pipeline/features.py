@@ -25,16 +25,22 @@ class Features:
     def shape(self) -> tuple[int, int, int]:
         return tuple(self.q.shape)  # type: ignore[return-value]
 
-    def __getitem__(self, trials: slice) -> "Features":
+    def __getitem__(self, trials) -> "Features":
+        """The features of a subset of the trials (a slice, index or mask)."""
         return Features(self.q[trials], self.v[trials], self.y[trials])
 
     def inner(self, gamma: Tensor) -> Tensor:
         """<Gamma_m, Z_k> = q_k^T Gamma_m v_k for gamma (B, M, D, D): returns (B, M, N)."""
-        return ((self.q.unsqueeze(1) @ gamma) * self.v.unsqueeze(1)).sum(-1)
+        B, M, D, _ = gamma.shape
+        qg = self.q @ gamma.transpose(1, 2).reshape(B, D, M * D)  # (B, N, M*D): one wide product
+        return (qg.view(B, -1, M, D) * self.v.unsqueeze(2)).sum(-1).transpose(1, 2)
 
     def combine(self, r: Tensor) -> Tensor:
         """sum_k r_mk Z_k for weights r (B, M, N): returns (B, M, D, D)."""
-        return (self.q.unsqueeze(1) * r.unsqueeze(-1)).mT @ self.v.unsqueeze(1)
+        B, M, N = r.shape
+        D = self.q.shape[-1]
+        qr = (self.q.unsqueeze(2) * r.transpose(1, 2).unsqueeze(-1)).reshape(B, N, M * D)
+        return (qr.mT @ self.v).view(B, M, D, D)
 
     def flat(self) -> Tensor:
         """vec(Z_k) (row-major, so vec(Z) . vec(Gamma) = <Gamma, Z>): (B, N, D^2)."""

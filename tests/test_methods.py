@@ -39,11 +39,13 @@ def test_gram_and_factored_gradients_agree():
     assert torch.allclose(g1, g2) and torch.allclose(v1, v2)
 
 
-@pytest.mark.parametrize("N,D", [(40, 3), (5, 3)])  # primal (N > D^2) and dual (N < D^2) solves
-def test_ridge_solves_its_normal_equations(N, D):
+@pytest.mark.parametrize("N,D,method,max_iter", [(40, 3, "direct", 0), (5, 3, "direct", 0), (300, 4, "cg", 200), (40, 4, "cg", 200), (300, 4, "cg", 3)])
+def test_ridge_solves_its_normal_equations(N, D, method, max_iter):
+    """Primal (N > D^2) and dual (N < D^2) Cholesky, and conjugate gradients (falling back
+    to Cholesky where it has not converged in max_iter), all solve (2.7)."""
     f = random_features(N=N, D=D)
-    mu = 0.7
-    gamma = ridge.solve(f, mu)
+    mu = 0.01
+    gamma = ridge.solve(f, mu, method=method, max_iter=max_iter)
     flat = f.flat()
     lhs = (mu * N * torch.eye(D * D, dtype=D64) + flat.mT @ flat) @ gamma.reshape(6, D * D, 1)
     rhs = flat.mT @ f.y.unsqueeze(-1)  # equation (2.7) with penalty mu

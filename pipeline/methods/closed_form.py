@@ -57,20 +57,26 @@ def evaluate(quad, gamma0: Tensor, *, lam, eta0, T, terms: int, radius=math.inf,
     K, J, t_max = terms, len(T), max(T)
     alpha = _alpha(K, t_max, c, gamma0.dtype)  # (K+1, t_max+1)
     Ts = torch.tensor(T)
-    start = alpha[:, Ts].T  # (J, K+1): coefficient of Gamma^0
-    drift = eta0 * torch.cumsum(alpha, 1)[:, Ts - 1].T  # (J, K+1): of b, sum over m < T
-    w = start[None, :, :, None, None] * gamma0[:, None, None] + drift[None, :, :, None, None] * quad.b[:, None, None]
-    if noise_std is not None:
-        t = torch.arange(t_max)
-        lag = Ts.view(J, 1) - 1 - t  # T - 1 - t, negative where t >= T
-        weights = alpha[:, lag.clamp_min(0)] * (lag >= 0)  # (K+1, J, t_max)
-        weights = weights * gamma0.new_tensor(noise_std).view(1, J, 1)
-        mixed = weights.permute(1, 0, 2).reshape(J * (K + 1), t_max) @ noise.reshape(B, t_max, D * D)
-        w = w + mixed.reshape(B, J, K + 1, D, D)
-    gamma = w[:, :, K]
+    start = alpha[:, Ts]  # (K+1, J): coefficient of Gamma^0
+    drift = eta0 * torch.cumsum(alpha, 1)[:, Ts - 1]  # (K+1, J): of b, summed over m < T
+    # The deterministic part needs only the Krylov vectors (-eta H)^k Gamma^0 and (-eta H)^k b.
+    krylov = [torch.stack([gamma0, quad.b], 1)]  # (B, 2, D, D)
+    for _ in range(K):
+        krylov.append(-eta0 * quad.apply(krylov[-1]))
+    krylov = torch.stack(krylov, 1)  # (B, K+1, 2, D, D)
+    gamma = torch.einsum("kj,bkxy->bjxy", start, krylov[:, :, 0]) + torch.einsum("kj,bkxy->bjxy", drift, krylov[:, :, 1])
+    if noise_std is None:
+        return gamma
+    # The noise part: w_k = s sum_{t<T} alpha_k(T-1-t) xi_t differs for every horizon; Horner's rule.
+    t = torch.arange(t_max)
+    lag = Ts.view(J, 1) - 1 - t  # T - 1 - t, negative where t >= T
+    weights = alpha[:, lag.clamp_min(0)] * (lag >= 0)  # (K+1, J, t_max)
+    weights = weights * gamma0.new_tensor(noise_std).view(1, J, 1)
+    w = (weights.reshape((K + 1) * J, t_max) @ noise.reshape(B, t_max, D * D)).reshape(B, K + 1, J, D, D)
+    acc = w[:, K]
     for k in reversed(range(K)):
-        gamma = w[:, :, k] - eta0 * quad.apply(gamma)
-    return gamma
+        acc = w[:, k] - eta0 * quad.apply(acc)
+    return gamma + acc
 
 
 def certified(quad, gamma0: Tensor, *, lam, eta0, T, radius=math.inf, noise_std=None, noise=None) -> Tensor:

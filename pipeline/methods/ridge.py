@@ -9,8 +9,11 @@ Which mu is the oracle's is the config's ``oracle`` choice:
 - ``printed``: mu = lam, equation (2.7) to the letter (the minimiser of (2.6)); GD then
   converges to a different point and its excess risk stalls at a small floor.
 
-The primal system is D^2 x D^2; the dual one is N x N, vec(Gamma) = Z^T (K + mu N I)^{-1} y
-with K_jk = <Z_j, Z_k>. Whichever costs fewer flops is solved.
+Small systems are solved directly (Cholesky of the D^2 x D^2 primal or N x N dual
+system, whichever is cheaper). Large ones are solved by conjugate gradients through the
+factored features, to a relative residual of 1e-13: with lam = N / D the system is
+nearly a multiple of the identity and CG needs a handful of products by H. A trial that
+does not converge is solved directly.
 """
 
 from __future__ import annotations
@@ -20,16 +23,54 @@ from torch import Tensor
 
 from pipeline.features import Features
 from pipeline.methods.base import Fit, chunks
+from pipeline.methods.descent import Quadratic
 
 
 def penalty(lam: float, oracle: str) -> float:
     return 2 * lam if oracle == "update" else lam
 
 
-def solve(feats: Features, mu: float) -> Tensor:
-    """argmin over Gamma of (1/2N) sum_k (<Gamma, Z_k> - y_k)^2 + (mu/2) ||Gamma||^2: (B, D, D)."""
+def solve(feats: Features, mu: float, *, method: str = "auto", tol: float = 1e-13, max_iter: int = 200) -> Tensor:
+    """argmin over Gamma of (1/2N) sum_k (<Gamma, Z_k> - y_k)^2 + (mu/2) ||Gamma||^2: (B, D, D).
+
+    ``method``: direct, cg, or auto (direct when it costs less than 50 CG iterations)."""
     B, N, D = feats.shape
-    if 2 * N * D**4 + D**6 / 3 <= 4 * N**2 * D + N**3 / 3:
+    if method == "direct" or (method == "auto" and min(_primal_cost(N, D), _dual_cost(N, D)) <= 50 * 4 * N * D * D):
+        return solve_direct(feats, mu)
+    quad = Quadratic(feats, gram=False)
+    b = quad.b.unsqueeze(1)
+    x, r = torch.zeros_like(b), b.clone()
+    p, rs = r.clone(), r.square().sum((-2, -1), keepdim=True)
+    target = (tol * b.flatten(1).norm(dim=-1)).square().view(B, 1, 1, 1)
+    for _ in range(max_iter):
+        Ap = quad.apply(p) + mu * p
+        step = rs / (p * Ap).sum((-2, -1), keepdim=True)
+        x += step * p
+        r -= step * Ap
+        rs_next = r.square().sum((-2, -1), keepdim=True)
+        if (rs_next <= target).all():
+            break
+        p = r + (rs_next / rs) * p
+        rs = rs_next
+    x = x.squeeze(1)
+    stuck = (rs_next > target).view(B)
+    if stuck.any():
+        x[stuck] = solve_direct(feats[stuck], mu)
+    return x
+
+
+def _primal_cost(N: int, D: int) -> float:
+    return 2 * N * D**4 + D**6 / 3
+
+
+def _dual_cost(N: int, D: int) -> float:
+    return 4 * N**2 * D + N**3 / 3
+
+
+def solve_direct(feats: Features, mu: float) -> Tensor:
+    """The same solution by Cholesky, of the primal or the dual system, whichever is cheaper."""
+    B, N, D = feats.shape
+    if _primal_cost(N, D) <= _dual_cost(N, D):
         A = feats.gram() + mu * torch.eye(D * D, dtype=feats.q.dtype)
         rhs = feats.moment().reshape(B, D * D, 1)
         return torch.cholesky_solve(rhs, torch.linalg.cholesky(A)).reshape(B, D, D)
