@@ -33,11 +33,18 @@ class Quadratic:
     (no set-up, 4 N D^2 work per product).
     """
 
-    def __init__(self, feats: Features, gram: bool):
+    def __init__(self, feats: Features, gram: bool = False):
         self.feats = feats
         self.b = feats.moment()
         self.c = 0.5 * feats.y.square().mean(-1)
         self.H = feats.gram() if gram else None
+
+    def for_products(self, products: int) -> "Quadratic":
+        """Form H now if that is cheaper than ``products`` factored products per trial."""
+        _, N, D = self.feats.shape
+        if self.H is None and self.prefers_gram(N, D, products):
+            self.H = self.feats.gram()
+        return self
 
     def subset(self, trials: Tensor) -> "Quadratic":
         """The same quadratic for a subset of the trials (an index tensor)."""
@@ -151,6 +158,11 @@ def run(
         if not exact.all():  # trials where some horizon may meet Pi_R: step by step, same noise
             redo = (~exact).nonzero().squeeze(-1)
             sub = dict(args, noise=None if noise is None else noise[redo])
-            gamma[redo] = descend(quad.subset(redo), gamma0[redo], **sub)[0]
+            gamma[redo] = descend(quad.subset(redo).for_products(_steps(T, noise_std)), gamma0[redo], **sub)[0]
         return gamma
-    return descend(quad, gamma0, **args)[0]
+    return descend(quad.for_products(_steps(T, noise_std)), gamma0, **args)[0]
+
+
+def _steps(T: tuple[int, ...], noise_std) -> int:
+    """Products by H per trial of a step-by-step run: one trajectory per horizon when private."""
+    return sum(T) if noise_std is not None else max(T)

@@ -13,7 +13,6 @@ from pipeline.methods.descent import Quadratic, descend, initial_gamma, run
 def fit(problem, const, cfg) -> Fit:
     B, N, D = problem.train.shape
     dtype = problem.train.q.dtype
-    gram = Quadratic.prefers_gram(N, D, max(const.T))
     step = dict(lam=const.lam, eta0=const.eta0, T=const.T)
     parts, trace = [], []
     for i, sl in chunks(B, cfg.compute.chunk_trials, "gd"):
@@ -21,7 +20,7 @@ def fit(problem, const, cfg) -> Fit:
             trials=sl.stop - sl.start, D=D, scale=const.init_scale, R=const.R,
             gen=rng.generator(cfg.seed, "init", i), dtype=dtype,
         )
-        quad = Quadratic(problem.train[sl], gram)
+        quad = Quadratic(problem.train[sl])
         parts.append(run(quad, gamma0, **step))
         if i == 0:  # the training-loss curve of the first trial
             trace = descend(quad.subset(torch.tensor([0])), gamma0[:1], **dict(step, T=(max(const.T),)))[1]

@@ -25,7 +25,6 @@ def fit(problem, const, cfg) -> Fit:
         for T in const.T
     )
     T_max = max(const.T)
-    gram = Quadratic.prefers_gram(N, D, sum(const.T))
     step = dict(lam=const.lam, eta0=const.eta0, radius=const.R)
     parts, trace = [], []
     for i, sl in chunks(B, cfg.compute.chunk_trials, "noisyhead"):
@@ -33,7 +32,7 @@ def fit(problem, const, cfg) -> Fit:
         gamma0 = initial_gamma(trials=b, D=D, scale=const.init_scale, R=const.R,
                                gen=rng.generator(cfg.seed, "init", i), dtype=dtype)
         xi = rng.randn((b, T_max, D, D), rng.generator(cfg.seed, "noise:noisyhead", i), dtype)
-        quad = Quadratic(problem.private[sl], gram)
+        quad = Quadratic(problem.private[sl])
         parts.append(run(quad, gamma0, T=const.T, noise_std=stds, noise=xi, **step))
         if i == 0:  # the training-loss curve of the first trial, longest horizon
             longest = max(range(len(stds)), key=const.T.__getitem__)
