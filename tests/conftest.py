@@ -15,9 +15,9 @@ torch.set_num_threads(1)
 def cfg_for():
     """Compose the real config with overrides, as `python -m pipeline` would."""
 
-    def make(*overrides: str):
+    def make(*overrides: str, hydra: bool = False):
         with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
-            return compose("config", overrides=list(overrides))
+            return compose("config", overrides=list(overrides), return_hydra_config=hydra)
 
     return make
 

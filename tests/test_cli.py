@@ -1,0 +1,88 @@
+"""End to end: `python -m pipeline` as a user runs it, into a temporary MLflow store."""
+
+import mlflow
+import pandas as pd
+import pytest
+
+from pipeline.evaluate import COLUMNS
+
+TINY = ["trials=4", "regime.N=60", "dataset.n_test=20", "compute.chunk_trials=3"]
+
+
+def runs(store):
+    client = mlflow.MlflowClient(tracking_uri=store)
+    exps = client.search_experiments()
+    return client, client.search_runs([e.experiment_id for e in exps]) if exps else []
+
+
+def test_single_run_logs_every_step(run_cli):
+    proc = run_cli(*TINY)
+    results = pd.read_csv(run_cli.tmp / "run" / "results.csv")
+    assert list(results.columns) == COLUMNS
+    assert sorted(results["method"]) == ["gd", "noisyhead", "ridge"]
+    assert (results["B"] == 4).all() and (results["N"] == 60).all()
+    assert (run_cli.tmp / "run" / "excess_risk.png").stat().st_size > 1000
+    assert "noisyhead" in proc.stderr + proc.stdout  # the printed summary
+
+    client, found = runs(run_cli.store)
+    assert len(found) == 1
+    run = found[0]
+    assert run.info.status == "FINISHED"
+    params, metrics = run.data.params, run.data.metrics
+    for key in ("train.C", "train.G", "train.R", "train.eta0", "train.T", "train.sigma", "train.lam",
+                "train.noisyhead.noise_std", "train.noisyhead.step_eps", "data.fingerprint", "data.seed"):
+        assert key in params, key
+    T = int(params["train.T"])
+    for key in ("evaluate.noisyhead.excess_risk_mean", "evaluate.noisyhead.excess_risk_sd",
+                "evaluate.noisyhead.excess_risk_ci_low", "evaluate.gd.test_mse_mean", "data.clip_fraction"):
+        assert key in metrics, key
+    nh = results.set_index("method").loc["noisyhead"]
+    assert metrics["evaluate.noisyhead.excess_risk_mean"] == pytest.approx(nh["excess_risk_mean"])
+    loss = client.get_metric_history(run.info.run_id, "train.noisyhead.loss")
+    assert [m.step for m in loss] == list(range(T))
+    artifacts = {a.path for a in client.list_artifacts(run.info.run_id)}
+    assert {"results.csv", "excess_risk.png", "config.yaml"} <= artifacts
+
+
+@pytest.mark.parametrize("override,needle", [
+    ("privacy.eps=-1", "privacy.eps"),
+    ("privacy.delta=2", "privacy.delta"),
+    ("regime.N=0", "regime.N"),
+    ("trials=0", "trials"),
+    ("regime.eta0=1", "eta0"),
+])
+def test_bad_input_fails_before_any_run(run_cli, override, needle):
+    proc = run_cli(*TINY, override, expect_ok=False)
+    assert proc.returncode != 0
+    assert needle in proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert not (run_cli.tmp / "run" / "results.csv").exists()
+    _, found = runs(run_cli.store)
+    assert found == []
+
+
+def test_unknown_option_fails(run_cli):
+    proc = run_cli(*TINY, "regime=nosuch", expect_ok=False)
+    assert proc.returncode != 0 and "nosuch" in proc.stderr
+
+
+def test_sweep_groups_its_cells_and_draws_the_figure(run_cli):
+    run_cli(*TINY, "regime.N=40,60", "privacy.eps=0.5", "-m")
+    sweep = run_cli.tmp / "sweep"
+    results = pd.read_csv(sweep / "results.csv")
+    assert len(results) == 2 * 3 and sorted(results["N"].unique()) == [40, 60]
+    assert (sweep / "excess_risk.png").stat().st_size > 1000
+    _, found = runs(run_cli.store)
+    parents = [r for r in found if r.data.tags.get("kind") == "sweep"]
+    cells = [r for r in found if r.data.tags.get("kind") == "cell"]
+    assert len(parents) == 1 and len(cells) == 2
+    assert all(r.info.status == "FINISHED" for r in found)
+    assert all(c.data.tags["mlflow.parentRunId"] == parents[0].info.run_id for c in cells)
+
+
+def test_a_bad_cell_stops_the_sweep_before_any_cell_runs(run_cli):
+    proc = run_cli(*TINY, "privacy.eps=0.5,-1", "-m", expect_ok=False)
+    assert proc.returncode != 0 and "privacy.eps" in proc.stderr
+    assert not list((run_cli.tmp / "sweep").glob("*/results.csv"))
+    _, found = runs(run_cli.store)
+    assert found == []

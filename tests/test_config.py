@@ -1,0 +1,98 @@
+"""Config composition, the derived constants, and the refusal of bad input."""
+
+import math
+
+import pytest
+from omegaconf import OmegaConf
+
+from pipeline import config
+from pipeline.config import ConfigError
+
+
+def test_default_is_the_papers_low_dimensional_cell(cfg_for):
+    cfg = cfg_for()
+    c = config.validate(cfg)
+    assert (cfg.regime.name, c.N, c.D, c.L, c.lam, cfg.privacy.eps, cfg.privacy.delta, cfg.trials) == (
+        "lowdim", 1000, 5, 31, 5.0, 0.2, 1e-5, 500)
+    # Theorem 4.1 with kappa = 1, written out independently
+    C = math.sqrt(2 * math.log(1000 * 31))
+    G = C / math.sqrt(31) * (1 + (math.log(1000) / 25) ** 0.25)
+    assert math.isclose(c.C, C) and math.isclose(c.G, G)
+    assert math.isclose(c.R, C**2 * math.sqrt(1000 / 31) / 5)
+    assert math.isclose(c.eta0, 3.1667 / (5 + G**2) ** 2, rel_tol=1e-4)  # the paper's 3.17 / (5 + G^2)^2
+    assert c.T == (math.floor(2.5 * math.log(1000) / math.log(1 / (1 - 5 * c.eta0))),) == (44,)
+    assert math.isclose(c.sigma, 2 * G * (C + c.R * G))
+
+
+def test_high_dimensional_rules(cfg_for):
+    c = config.validate(cfg_for("regime=highdim", "regime.N=700"))
+    assert (c.D, c.L, c.T) == (26, 26, (5,))
+    assert math.isclose(c.lam, 700 / 26)
+    # the paper's eta0 = 0.07 N D / (N + D G^2)^2, up to its rounding of 0.2/3
+    assert math.isclose(c.eta0, 0.2 / 3 * 700 * 26 / (700 + 26 * c.G**2) ** 2)
+
+
+def test_overparameterised_regime_runs_every_horizon(cfg_for):
+    c = config.validate(cfg_for("experiment=fig3_overparam"))
+    assert c.T == tuple(range(1, 482, 20)) and (c.N, c.L, c.D) == (1000, 31, 31)
+    assert math.isclose(c.eta0, 0.02 * c.lam / (3 * (c.lam + c.G**2) ** 2))
+
+
+def test_user_values_override_rules(cfg_for):
+    c = config.validate(cfg_for("regime.C=3", "regime.G=0.5", "regime.R=2", "regime.eta0=0.01", "regime.T=7"))
+    assert (c.C, c.G, c.R, c.eta0, c.T) == (3.0, 0.5, 2.0, 0.01, (7,))
+
+
+def test_regimes_carry_the_papers_grids(cfg_for):
+    low = cfg_for("regime=lowdim", hydra=True).hydra.sweeper.params
+    assert low["regime.N"] == "1000,1500,2000,2500,3000,3500,4000"
+    assert cfg_for("regime=highdim", hydra=True).hydra.sweeper.params["regime.N"] == "500,600,700,800,900,1000"
+    fig1 = cfg_for("experiment=fig1_lowdim", hydra=True).hydra.sweeper.params
+    assert fig1["privacy.eps"] == "0.2,0.4,0.6,0.8,1.0"
+
+
+@pytest.mark.parametrize("override,key", [
+    ("privacy.eps=0", "privacy.eps"),
+    ("privacy.eps=-0.5", "privacy.eps"),
+    ("privacy.delta=0", "privacy.delta"),
+    ("privacy.delta=1.5", "privacy.delta"),
+    ("regime.N=0", "regime.N"),
+    ("regime.N=-10", "regime.N"),
+    ("regime.L=0", "regime.L"),
+    ("regime.D=-1", "regime.D"),
+    ("trials=0", "trials"),
+    ("regime.eta0=1.0", "eta0"),
+    ("regime.lam=-1", "regime.lam"),
+    ("methods=[ridge,sgd]", "methods"),
+    ("methods=[gd]", "ridge"),
+    ("regime.T=[]", "regime.T"),
+    ("privacy.accountant=rdp", "privacy.accountant"),
+])
+def test_bad_values_are_refused_naming_the_key(cfg_for, override, key):
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+        config.validate(cfg_for(override))
+
+
+def test_basic_composition_needs_per_step_eps_below_one(cfg_for):
+    with pytest.raises(ConfigError, match="per-step eps"):
+        config.validate(cfg_for("privacy.eps=3", "regime.T=2"))
+
+
+def test_unknown_keys_and_options_are_refused_by_composition(cfg_for):
+    from hydra.errors import ConfigCompositionException
+
+    with pytest.raises(ConfigCompositionException):
+        cfg_for("regime=nosuchregime")
+    with pytest.raises(ConfigCompositionException):
+        cfg_for("regime.nosuchkey=1")
+
+
+def test_every_regime_constant_is_documented_in_yaml():
+    from pathlib import Path
+
+    for path in Path(__file__).parents[1].glob("conf/regime/*.yaml"):
+        lines = path.read_text().splitlines()
+        regime = OmegaConf.load(path).regime
+        for key in regime:
+            line = next(l for l in lines if l.strip().startswith(f"{key}:"))
+            assert "#" in line or key == "name", f"{path.name}: {key} has no comment"
