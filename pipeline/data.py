@@ -15,7 +15,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from omegaconf import DictConfig, OmegaConf
@@ -38,6 +38,7 @@ class Problem:
     clip_fraction: float  # share of training responses y_{k,i} that clip_C changed
     projected_fraction: float  # share of training features that Pi_G shrank
     fingerprint: str  # sha256 (prefix) of the raw train and test tensors
+    fits: dict = field(default_factory=dict)  # non-private estimates, shared by the cells that reuse this problem
 
     @property
     def trials(self) -> int:

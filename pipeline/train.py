@@ -17,8 +17,18 @@ def run(problem, const, cfg) -> dict[str, Fit]:
     tracking.log_params("train", const.as_params() | {"oracle": cfg.oracle, "eps": cfg.privacy.eps, "delta": cfg.privacy.delta})
     fits = {}
     for name in cfg.methods:
+        method = METHODS[name]
         start = time.perf_counter()
-        fit = METHODS[name](problem, const, cfg)
+        # A non-private estimate does not depend on eps or delta: cells that share their
+        # problem (a sweep over eps) share it too.
+        key = (name, tuple(const.as_params().items()), cfg.oracle, cfg.seed)
+        if method.PRIVATE or key not in problem.fits:
+            fit = method.fit(problem, const, cfg)
+            if not method.PRIVATE:
+                problem.fits[key] = fit
+        else:
+            fit = problem.fits[key]
+            log.info("train: %s reused from the previous cell (same data, not private)", name)
         seconds = time.perf_counter() - start
         fits[name] = fit
         if fit.params:

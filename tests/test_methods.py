@@ -113,8 +113,8 @@ def test_the_same_seed_gives_the_same_numbers(cfg_for):
     first = data.synthetic(const, trials=3, n_test=10, seed=0, chunk=2, dtype=D64)
     second = data.synthetic(const, trials=3, n_test=10, seed=0, chunk=2, dtype=D64)
     assert first.fingerprint == second.fingerprint
-    a = METHODS["noisyhead"](first, const, cfg).gamma
-    b = METHODS["noisyhead"](second, const, cfg).gamma
+    a = METHODS["noisyhead"].fit(first, const, cfg).gamma
+    b = METHODS["noisyhead"].fit(second, const, cfg).gamma
     assert torch.equal(a, b)
     other = data.synthetic(const, trials=3, n_test=10, seed=1, chunk=2, dtype=D64)
     assert other.fingerprint != first.fingerprint

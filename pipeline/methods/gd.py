@@ -10,6 +10,9 @@ from pipeline.methods.base import Fit, chunks
 from pipeline.methods.descent import Quadratic, descend, initial_gamma, run
 
 
+PRIVATE = False
+
+
 def fit(problem, const, cfg) -> Fit:
     B, N, D = problem.train.shape
     dtype = problem.train.q.dtype

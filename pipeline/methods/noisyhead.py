@@ -16,6 +16,9 @@ from pipeline.methods.base import Fit, chunks
 from pipeline.methods.descent import Quadratic, descend, initial_gamma, run
 
 
+PRIVATE = True
+
+
 def fit(problem, const, cfg) -> Fit:
     B, N, D = problem.private.shape
     dtype = problem.private.q.dtype

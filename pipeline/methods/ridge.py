@@ -80,6 +80,9 @@ def solve_direct(feats: Features, mu: float) -> Tensor:
     return feats.combine(alpha.unsqueeze(1)).squeeze(1)
 
 
+PRIVATE = False
+
+
 def fit(problem, const, cfg) -> Fit:
     mu = penalty(const.lam, cfg.oracle)
     parts = [solve(problem.train[sl], mu) for _, sl in chunks(problem.trials, cfg.compute.chunk_trials, "ridge")]
