@@ -15,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
@@ -48,18 +49,19 @@ class Problem:
 def _sphere_prompts(n_trials: int, n_prompts: int, L: int, D: int, tau: float, gen, C: float | None):
     """Draw prompts and reduce them to raw features and, when C is given, clipped ones.
 
-    Returns raw (b, n) Features, clipped Features or None, and how many responses clip_C changed.
-    Arithmetic runs in float32 (the caller casts), in slices of about ``_SLICE`` numbers so
-    the temporaries stay small; the slices share one generator, so they do not change the draws.
+    Returns raw Features (n_trials, n_prompts), clipped Features or None, and how many
+    responses clip_C changed. Arithmetic runs in float32, in slices of about ``_SLICE``
+    numbers so the temporaries stay small; the slices share one generator, so they do not
+    change the draws. Tokens are the columns of (D, L+1) blocks, as in the prompt matrix E.
     """
     raw, clipped, n_clipped = [], [], 0
     step = max(1, _SLICE // (n_prompts * (L + 1) * D))
     for s in range(0, n_trials, step):
         b = min(step, n_trials - s)
-        x = torch.empty(b, n_prompts, L + 1, D).normal_(generator=gen)
-        x /= x.norm(dim=-1, keepdim=True)
+        x = torch.empty(b, n_prompts, D, L + 1).normal_(generator=gen)
+        x.mul_(torch.rsqrt(x.square().sum(-2, keepdim=True)))  # uniform on the sphere
         w = torch.empty(b, n_prompts, 1, D).normal_(generator=gen)
-        y = (x * w).sum(-1)  # (b, n, L+1)
+        y = (w @ x).squeeze(-2)  # (b, n, L+1)
         if tau > 0:
             y += tau * torch.empty_like(y).normal_(generator=gen)
         raw.append(from_tokens(x, y))
@@ -77,17 +79,25 @@ _SLICE = 1 << 22  # numbers per generation slice (16 MB of float32)
 
 
 def synthetic(const: Constants, *, trials: int, n_test: int, seed: int, chunk: int, dtype) -> Problem:
+    """Chunks of trials are drawn on two threads (each chunk has its own random streams,
+    so the numbers do not depend on the threading)."""
     N, L, D, C, G = const.N, const.L, const.D, const.C, const.G
-    train, clipped, test, n_clipped = [], [], [], 0
-    for i, start in enumerate(tqdm(range(0, trials, chunk), desc="data", leave=False, disable=None)):
-        b = min(chunk, trials - start)
+
+    def draw(i: int):
+        b = min(chunk, trials - i * chunk)
         raw, clip, nc = _sphere_prompts(b, N, L, D, const.tau, rng.generator(seed, "train", i), C)
-        tst, _, _ = _sphere_prompts(b, n_test, L, D, const.tau, rng.generator(seed, "test", i), None)
-        train.append(raw)
-        clipped.append(clip)
-        test.append(tst)
-        n_clipped += nc
-    train, clipped, test = _cat(train, dtype), _cat(clipped, dtype), _cat(test, dtype)
+        test, _, _ = _sphere_prompts(b, n_test, L, D, const.tau, rng.generator(seed, "test", i), None)
+        return raw, clip, test, nc
+
+    n_chunks = -(-trials // chunk)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # one core per chunk instead of two per operation
+    try:
+        with ThreadPoolExecutor(max(1, min(threads, n_chunks))) as pool:
+            parts = list(tqdm(pool.map(draw, range(n_chunks)), total=n_chunks, desc="data", leave=False, disable=None))
+    finally:
+        torch.set_num_threads(threads)
+    train, clipped, test = (_cat([p[j] for p in parts], dtype) for j in range(3))
     digest = hashlib.sha256()
     for t in (train.q, train.v, train.y, test.q, test.v, test.y):
         digest.update(t.contiguous().numpy().tobytes())
@@ -95,7 +105,7 @@ def synthetic(const: Constants, *, trials: int, n_test: int, seed: int, chunk: i
         train=train,
         private=privatize(clipped, G),
         test=test,
-        clip_fraction=n_clipped / (trials * N * (L + 1)),
+        clip_fraction=sum(p[3] for p in parts) / (trials * N * (L + 1)),
         projected_fraction=(clipped.norms() > G).double().mean().item(),
         fingerprint=digest.hexdigest()[:16],
     )

@@ -66,14 +66,15 @@ class Features:
 
 
 def from_tokens(x: Tensor, y: Tensor, clip: float | None = None) -> Features:
-    """Features of prompts with tokens x (..., L+1, D) and responses y (..., L+1), the last
-    token being the query. With ``clip=C`` every response is clipped to [-C, C] first
-    (Algorithm 1's clip_C): the context sum and the target both use clipped responses."""
+    """Features of prompts whose tokens are the columns of x (..., D, L+1), as in the paper's
+    prompt matrix E, with responses y (..., L+1); the last column is the query. With
+    ``clip=C`` every response is clipped to [-C, C] first (Algorithm 1's clip_C): the
+    context sum and the target both use clipped responses."""
     if clip is not None:
         y = y.clamp(-clip, clip)
-    L = x.shape[-2] - 1
-    v = (y[..., :L, None] * x[..., :L, :]).sum(-2) / L
-    return Features(x[..., L, :], v, y[..., L])
+    L = x.shape[-1] - 1
+    v = (x[..., :L] * y[..., None, :L]).sum(-1) / L
+    return Features(x[..., L], v, y[..., L])
 
 
 def privatize(clipped: Features, G: float) -> Features:

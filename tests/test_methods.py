@@ -186,3 +186,19 @@ def test_series_terms_bound_the_tail():
         tail = sum(x**k / math.factorial(k) for k in range(K + 1, K + 40))
         assert tail <= closed_form.TOLERANCE
     assert closed_form.terms(1.5) is None
+
+
+def test_features_from_tokens_follow_equation_2_5():
+    from pipeline.features import from_tokens
+
+    g = torch.Generator().manual_seed(5)
+    L, D = 4, 3
+    x = torch.randn(2, 3, D, L + 1, generator=g, dtype=D64)  # tokens are the columns of E
+    y = torch.randn(2, 3, L + 1, generator=g, dtype=D64)
+    f = from_tokens(x, y, clip=0.5)
+    for b in range(2):
+        for k in range(3):
+            yc = y[b, k].clamp(-0.5, 0.5)
+            Z = x[b, k, :, L].unsqueeze(1) * sum(yc[i] * x[b, k, :, i] for i in range(L)).unsqueeze(0) / L
+            assert torch.allclose(f.q[b, k].unsqueeze(1) * f.v[b, k].unsqueeze(0), Z)
+            assert f.y[b, k] == yc[L]

@@ -30,10 +30,10 @@ def _private(x, y):
 
 def _neighbours(gen, trials, N, L, D, scale):
     """Random prompt sets and copies with prompt 0 replaced by an arbitrary (large) one."""
-    x = torch.randn(trials, N, L + 1, D, generator=gen, dtype=torch.float64)
+    x = torch.randn(trials, N, D, L + 1, generator=gen, dtype=torch.float64)  # tokens are columns
     y = scale * torch.randn(trials, N, L + 1, generator=gen, dtype=torch.float64)
     x2, y2 = x.clone(), y.clone()
-    x2[:, 0] = scale * torch.randn(trials, L + 1, D, generator=gen, dtype=torch.float64)
+    x2[:, 0] = scale * torch.randn(trials, D, L + 1, generator=gen, dtype=torch.float64)
     y2[:, 0] = -y[:, 0] * scale
     return _private(x, y), _private(x2, y2)
 
@@ -60,7 +60,7 @@ def test_one_step_moves_at_most_eta0_sigma_over_n_on_neighbouring_sets():
 
 def test_private_features_respect_clip_and_projection():
     gen = torch.Generator().manual_seed(2)
-    x = torch.randn(50, 20, 6, 4, generator=gen, dtype=torch.float64)
+    x = torch.randn(50, 20, 4, 6, generator=gen, dtype=torch.float64)
     y = 3 * torch.randn(50, 20, 6, generator=gen, dtype=torch.float64)
     p = _private(x, y)
     assert p.y.abs().max() <= C

@@ -153,6 +153,7 @@ def run(
     # A single private horizon rarely stays clear of Pi_R (its noise is large), so only
     # deterministic runs and multi-horizon runs are worth a certificate.
     if terms is not None and (not math.isfinite(radius) or len(T) > 1):
+        quad.for_products((terms + 1) * (2 + (len(T) if noise_std is not None else 0)))
         gamma = closed_form.evaluate(quad, gamma0, terms=terms, **args)
         exact = closed_form.certified(quad, gamma0, **args)
         if not exact.all():  # trials where some horizon may meet Pi_R: step by step, same noise

@@ -1,0 +1,90 @@
+"""Speed and memory of the paper's figures, and the batched pipeline against a per-trial loop.
+
+    python -m benchmarks.figures            # Figures 1-3 at B = 500, then the side-by-side cell
+    python -m benchmarks.figures --only cell
+
+Each figure runs as a user would run it (``python -m pipeline experiment=... -m``, MLflow
+and plots included) in a child process, into a scratch MLflow store; wall time and the
+child's peak resident memory are printed. The side-by-side part times one Figure-1 cell
+(N = 1000, eps = 0.2, B = 500) in this process: the pipeline's data, fit and evaluate
+steps, then ``benchmarks/baseline_numpy.py``'s plain per-trial loop of the same protocol.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+FIGURES = ("fig1_lowdim", "fig2_highdim", "fig3_overparam")
+
+
+def run_figure(name: str, scratch: Path) -> tuple[float, float]:
+    """Wall seconds and peak RSS (GB) of one figure's sweep, run as a child process."""
+    cmd = [sys.executable, "-m", "pipeline", f"experiment={name}", "-m",
+           f"mlflow.tracking_uri=sqlite:///{scratch / 'mlflow.db'}", f"hydra.sweep.dir={scratch / name}"]
+    start = time.perf_counter()
+    with open(scratch / f"{name}.log", "w") as log:
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+        _, status, usage = os.wait4(proc.pid, 0)
+    seconds = time.perf_counter() - start
+    if status != 0:
+        raise SystemExit(f"{name} failed; see {scratch / f'{name}.log'}")
+    return seconds, usage.ru_maxrss / 1e6  # ru_maxrss is in KiB on Linux
+
+
+def side_by_side(trials: int) -> None:
+    import torch
+    from hydra import compose, initialize_config_dir
+
+    from benchmarks import baseline_numpy
+    from pipeline import config, data, evaluate
+    from pipeline.methods import METHODS
+
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        cfg = compose("config", overrides=["regime=lowdim", "regime.N=1000", "privacy.eps=0.2", f"trials={trials}"])
+    const = config.validate(cfg)
+    start = time.perf_counter()
+    problem = data.make_problem(cfg, const)
+    fits = {name: METHODS[name].fit(problem, const, cfg) for name in cfg.methods}
+    excess, _ = zip(*(evaluate.per_trial(fits[m].gamma, fits["ridge"].gamma, problem.test, cfg.compute.chunk_trials)
+                      for m in ("gd", "noisyhead")))
+    batched = time.perf_counter() - start
+    start = time.perf_counter()
+    loop = baseline_numpy.run(const, eps=0.2, delta=cfg.privacy.delta, trials=trials, n_test=cfg.dataset.n_test)
+    looped = time.perf_counter() - start
+    nh, nh_loop = excess[1][:, 0], torch.from_numpy(loop[:, 1])
+    print(f"\nOne Figure-1 cell (N = 1000, eps = 0.2, B = {trials}, torch threads = {torch.get_num_threads()}):")
+    print(f"  batched pipeline   {batched:7.2f} s   {trials / batched:8.1f} trials/s")
+    print(f"  per-trial NumPy    {looped:7.2f} s   {trials / looped:8.1f} trials/s")
+    print(f"  speed ratio        {looped / batched:7.1f} x")
+    se = (nh.var() / trials + nh_loop.var() / trials).sqrt().item()
+    print(f"  NoisyHead excess risk: batched {nh.mean():.4f}, loop {nh_loop.mean():.4f} (difference {nh.mean() - nh_loop.mean():+.4f}, "
+          f"{abs(nh.mean() - nh_loop.mean()).item() / se:.1f} standard errors)")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--only", choices=("figures", "cell"), help="run only one part")
+    parser.add_argument("--trials", type=int, default=500, help="B of the side-by-side cell")
+    args = parser.parse_args()
+    if args.only != "cell":
+        total = 0.0
+        with tempfile.TemporaryDirectory() as tmp:
+            print(f"{'figure':<16} {'wall time':>10} {'peak memory':>12}")
+            for name in FIGURES:
+                seconds, peak = run_figure(name, Path(tmp))
+                total += seconds
+                print(f"{name:<16} {seconds:>9.1f}s {peak:>10.2f} GB", flush=True)
+        print(f"{'total':<16} {total:>9.1f}s")
+    if args.only != "figures":
+        side_by_side(args.trials)
+
+
+if __name__ == "__main__":
+    main()
