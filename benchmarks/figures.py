@@ -26,8 +26,8 @@ FIGURES = ("fig1_lowdim", "fig2_highdim", "fig3_overparam")
 
 def run_figure(name: str, scratch: Path) -> tuple[float, float]:
     """Wall seconds and peak RSS (GB) of one figure's sweep, run as a child process."""
-    cmd = [sys.executable, "-m", "pipeline", f"experiment={name}", "-m",
-           f"mlflow.tracking_uri=sqlite:///{scratch / 'mlflow.db'}", f"hydra.sweep.dir={scratch / name}"]
+    cmd = [sys.executable, "-m", "pipeline", f"experiment={name}",
+           f"mlflow.tracking_uri=sqlite:///{scratch / 'mlflow.db'}", f"hydra.sweep.dir={scratch / name}", "-m"]
     start = time.perf_counter()
     with open(scratch / f"{name}.log", "w") as log:
         proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)

@@ -71,8 +71,8 @@ def _sphere_prompts(n_trials: int, n_prompts: int, L: int, D: int, tau: float, g
     return _cat(raw), _cat(clipped) if clipped else None, n_clipped
 
 
-def _cat(parts: list[Features], dtype=None) -> Features:
-    return Features(*(torch.cat([getattr(p, k) for p in parts]).to(dtype) for k in ("q", "v", "y")))
+def _cat(parts: list[Features]) -> Features:
+    return Features(*(torch.cat([getattr(p, k) for p in parts]) for k in ("q", "v", "y")))
 
 
 _SLICE = 1 << 22  # numbers per generation slice (16 MB of float32)
@@ -90,25 +90,42 @@ def synthetic(const: Constants, *, trials: int, n_test: int, seed: int, chunk: i
         return raw, clip, test, nc
 
     n_chunks = -(-trials // chunk)
+    out = {
+        "train": _empty(trials, N, D, dtype),
+        "clipped": _empty(trials, N, D, dtype),
+        "test": _empty(trials, n_test, D, dtype),
+    }
+    n_clipped = 0
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # one core per chunk instead of two per operation
     try:
         with ThreadPoolExecutor(max(1, min(threads, n_chunks))) as pool:
-            parts = list(tqdm(pool.map(draw, range(n_chunks)), total=n_chunks, desc="data", leave=False, disable=None))
+            drawn = pool.map(draw, range(n_chunks))
+            for i, parts in enumerate(tqdm(drawn, total=n_chunks, desc="data", leave=False, disable=None)):
+                rows = slice(i * chunk, i * chunk + parts[0].q.shape[0])
+                for name, part in zip(out, parts):
+                    for k in ("q", "v", "y"):
+                        getattr(out[name], k)[rows] = getattr(part, k)
+                n_clipped += parts[3]
     finally:
         torch.set_num_threads(threads)
-    train, clipped, test = (_cat([p[j] for p in parts], dtype) for j in range(3))
+    train, clipped, test = out["train"], out["clipped"], out["test"]
     digest = hashlib.sha256()
     for t in (train.q, train.v, train.y, test.q, test.v, test.y):
-        digest.update(t.contiguous().numpy().tobytes())
+        digest.update(t.numpy().data)
     return Problem(
         train=train,
         private=privatize(clipped, G),
         test=test,
-        clip_fraction=sum(p[3] for p in parts) / (trials * N * (L + 1)),
+        clip_fraction=n_clipped / (trials * N * (L + 1)),
         projected_fraction=(clipped.norms() > G).double().mean().item(),
         fingerprint=digest.hexdigest()[:16],
     )
+
+
+def _empty(trials: int, n: int, D: int, dtype) -> Features:
+    return Features(torch.empty(trials, n, D, dtype=dtype), torch.empty(trials, n, D, dtype=dtype),
+                    torch.empty(trials, n, dtype=dtype))
 
 
 DATASETS = {"synthetic": synthetic}
