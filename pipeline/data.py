@@ -60,8 +60,8 @@ def _sphere_prompts(n_trials: int, n_prompts: int, L: int, D: int, tau: float, g
         b = min(step, n_trials - s)
         x = torch.empty(b, n_prompts, D, L + 1).normal_(generator=gen)
         x.mul_(torch.rsqrt(x.square().sum(-2, keepdim=True)))  # uniform on the sphere
-        w = torch.empty(b, n_prompts, 1, D).normal_(generator=gen)
-        y = (w @ x).squeeze(-2)  # (b, n, L+1)
+        w = torch.empty(b, n_prompts, D, 1).normal_(generator=gen)
+        y = (x * w).sum(-2)  # (b, n, L+1): y_i = w.x_i
         if tau > 0:
             y += tau * torch.empty_like(y).normal_(generator=gen)
         raw.append(from_tokens(x, y))

@@ -73,7 +73,7 @@ def from_tokens(x: Tensor, y: Tensor, clip: float | None = None) -> Features:
     if clip is not None:
         y = y.clamp(-clip, clip)
     L = x.shape[-1] - 1
-    v = (x[..., :L] * y[..., None, :L]).sum(-1) / L
+    v = (x[..., :L] @ y[..., :L, None]).squeeze(-1) / L
     return Features(x[..., L], v, y[..., L])
 
 
