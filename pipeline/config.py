@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass
 
-from omegaconf import DictConfig, ListConfig, OmegaConf
+from omegaconf import DictConfig, ListConfig
 
 from pipeline import privacy
 
@@ -142,9 +142,22 @@ def validate(cfg: DictConfig) -> Constants:
     if cfg.attack.name != "none":
         raise ConfigError(f"attack.name {cfg.attack.name!r} is not supported yet (only 'none')")
     const = derive(cfg.regime)
-    privacy.check_budget(cfg.privacy, T=const.T)
+    _check_privacy(cfg.privacy, T=const.T)
     return const
 
 
-def to_container(cfg: DictConfig) -> dict:
-    return OmegaConf.to_container(cfg, resolve=True)  # type: ignore[return-value]
+def _check_privacy(cfg: DictConfig, *, T: tuple[int, ...]) -> None:
+    """Refuse a privacy config the calibration cannot honour."""
+    eps, delta = cfg.eps, cfg.delta
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps > 0:
+        raise ConfigError(f"privacy.eps must be a positive number, got {eps!r}")
+    if isinstance(delta, bool) or not isinstance(delta, (int, float)) or not 0 < delta < 1:
+        raise ConfigError(f"privacy.delta must lie in (0, 1), got {delta!r}")
+    if cfg.accountant not in privacy.ACCOUNTANTS:
+        raise ConfigError(f"privacy.accountant {cfg.accountant!r} is unknown; known: {list(privacy.ACCOUNTANTS)}")
+    short = [t for t in T if eps / t >= 1]
+    if short:
+        raise ConfigError(
+            f"privacy.eps = {eps} with T = {short[0]} gives a per-step eps of {eps / short[0]:.3g}; "
+            "the basic accountant's Gaussian calibration is only proven for per-step eps < 1"
+        )

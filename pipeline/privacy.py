@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import math
 
-from omegaconf import DictConfig
-
 
 def noisyhead_sensitivity(*, C: float, G: float, R: float) -> float:
     """sigma = 2 G (C + R G) (Theorem 3.2, proof A.2).
@@ -53,23 +51,4 @@ def noisyhead_step_std(*, eta0: float, sigma: float, N: int, T: int, eps: float,
     )
 
 
-ACCOUNTANTS = ("basic",)
-
-
-def check_budget(privacy: DictConfig, *, T: tuple[int, ...]) -> None:
-    """Refuse a privacy config the calibration cannot honour (raises ConfigError)."""
-    from pipeline.config import ConfigError
-
-    eps, delta = privacy.eps, privacy.delta
-    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps > 0:
-        raise ConfigError(f"privacy.eps must be a positive number, got {eps!r}")
-    if isinstance(delta, bool) or not isinstance(delta, (int, float)) or not 0 < delta < 1:
-        raise ConfigError(f"privacy.delta must lie in (0, 1), got {delta!r}")
-    if privacy.accountant not in ACCOUNTANTS:
-        raise ConfigError(f"privacy.accountant {privacy.accountant!r} is unknown; known: {list(ACCOUNTANTS)}")
-    too_short = [t for t in T if eps / t >= 1]
-    if too_short:
-        raise ConfigError(
-            f"privacy.eps = {eps} with T = {too_short[0]} gives a per-step eps of {eps / too_short[0]:.3g}; "
-            "the basic accountant's Gaussian calibration is only proven for per-step eps < 1"
-        )
+ACCOUNTANTS = ("basic",)  # basic: each of the T steps at (eps/T, delta/T)
