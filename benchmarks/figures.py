@@ -44,14 +44,14 @@ def side_by_side(trials: int) -> None:
 
     from benchmarks import baseline_numpy
     from pipeline import config, data, evaluate
-    from pipeline.methods import METHODS
+    from pipeline.methods import ESTIMATORS
 
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
         cfg = compose("config", overrides=["regime=lowdim", "regime.N=1000", "privacy.eps=0.2", f"trials={trials}"])
     const = config.validate(cfg)
     start = time.perf_counter()
     problem = data.make_problem(cfg, const)
-    fits = {name: METHODS[name].fit(problem, const, cfg) for name in cfg.methods}
+    fits = {name: ESTIMATORS[spec.estimator].fit(problem, const, cfg, spec) for name, spec in cfg.method.items()}
     excess, _ = zip(*(evaluate.per_trial(fits[m].gamma, fits["ridge"].gamma, problem.test, cfg.compute.chunk_trials)
                       for m in ("gd", "noisyhead")))
     batched = time.perf_counter() - start

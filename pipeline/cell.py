@@ -38,6 +38,10 @@ def summary(results) -> str:
     return "\n".join(lines)
 
 
+def method_labels(cfg: DictConfig) -> dict[str, str]:
+    return {name: spec.get("label", name) for name, spec in cfg.method.items()}
+
+
 def run(cfg: DictConfig) -> Path:
     """Run one cell; return the path of its ``results.csv``."""
     const = config.validate(cfg)  # before anything is created or computed
@@ -58,7 +62,7 @@ def run(cfg: DictConfig) -> Path:
         out.mkdir(parents=True, exist_ok=True)
         csv = out / "results.csv"
         results.to_csv(csv, index=False)
-        fig = plot.figure(results, cfg.plot, out / "excess_risk.png")
+        fig = plot.figure(results, cfg.plot, out / "excess_risk.png", labels=method_labels(cfg))
         mlflow.log_artifact(str(csv))
         mlflow.log_artifact(str(fig))
         tracking.log_metrics("cell", {"seconds": time.perf_counter() - start})

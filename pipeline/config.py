@@ -129,14 +129,13 @@ def validate(cfg: DictConfig) -> Constants:
         raise ConfigError(f"compute.dtype must be float32 or float64, got {cfg.compute.dtype!r}")
     if cfg.oracle not in ("update", "printed"):
         raise ConfigError(f"oracle must be 'update' or 'printed', got {cfg.oracle!r}")
-    from pipeline.methods import METHODS  # late import: methods import this module's types
+    from pipeline.methods import ESTIMATORS  # late import: methods import this module's types
 
-    methods = list(cfg.methods)
-    unknown = [m for m in methods if m not in METHODS]
-    if unknown:
-        raise ConfigError(f"methods: unknown method(s) {unknown}; known: {sorted(METHODS)}")
-    if "ridge" not in methods:
-        raise ConfigError("methods must include 'ridge': it is the oracle every excess risk is measured against")
+    for name, spec in cfg.method.items():
+        if spec.get("estimator") not in ESTIMATORS:
+            raise ConfigError(f"method.{name}.estimator {spec.get('estimator')!r} is unknown; known: {sorted(ESTIMATORS)}")
+    if "ridge" not in cfg.method or cfg.method.ridge.estimator != "ridge":
+        raise ConfigError("method must include ridge: it is the oracle every excess risk is measured against")
     if cfg.dataset.name != "synthetic":
         raise ConfigError(f"dataset.name {cfg.dataset.name!r} is not supported yet (only 'synthetic')")
     if cfg.attack.name != "none":

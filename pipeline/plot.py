@@ -20,9 +20,6 @@ import pandas as pd  # noqa: E402
 import seaborn as sns  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402
 
-LABELS = {"gd": "non-private GD (cost of descent)", "noisyhead": "NoisyHead (cost of privacy)"}
-
-
 def _auto(df: pd.DataFrame, spec: DictConfig) -> tuple[str, str | None]:
     x = spec.x
     if x == "auto":
@@ -33,8 +30,10 @@ def _auto(df: pd.DataFrame, spec: DictConfig) -> tuple[str, str | None]:
     return x, hue
 
 
-def figure(df: pd.DataFrame, spec: DictConfig, path: Path) -> Path:
-    """Excess risk against ``x``, one line per ``hue``, with +-k sd error bars; saved as PNG."""
+def figure(df: pd.DataFrame, spec: DictConfig, path: Path, labels: dict[str, str] | None = None) -> Path:
+    """Excess risk against ``x``, one line per ``hue``, with +-k sd error bars; saved as PNG.
+    ``labels`` names the methods in legends and titles (default: the method names)."""
+    labels = labels or {}
     df = df[df["method"].isin(list(spec.methods))].copy()
     x, hue = _auto(df, spec)
     k = float(spec.k_sd)
@@ -55,12 +54,12 @@ def figure(df: pd.DataFrame, spec: DictConfig, path: Path) -> Path:
         groups = sub.groupby(hue) if hue else sub.groupby("method")
         for color, (key, g) in zip(palette, groups):
             g = g.sort_values(x)
-            label = f"{hue} = {key:g}" if hue else LABELS.get(key, key)
+            label = f"{hue} = {key:g}" if hue else labels.get(key, key)
             ax.errorbar(g[x], g["y"], yerr=[g["lo"], g["hi"]], marker="o", ms=4, capsize=3, label=label, color=color)
         ax.set_xlabel(x)
         ax.set_ylabel("excess risk vs ridge")
         ax.set_yscale(spec.yscale)
-        ax.set_title(LABELS.get(panel, panel) if panel else (spec.title or ""))
+        ax.set_title(labels.get(panel, panel) if panel else (spec.title or ""))
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     if spec.title and panels != [None]:

@@ -18,7 +18,7 @@ import pandas as pd
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
-from pipeline import plot, tracking
+from pipeline import cell, plot, tracking
 
 log = logging.getLogger(__name__)
 
@@ -36,7 +36,7 @@ class SweepCallback(Callback):
         results = pd.concat(frames, ignore_index=True)
         csv = sweep_dir / "results.csv"
         results.to_csv(csv, index=False)
-        fig = plot.figure(results, config.plot, sweep_dir / "excess_risk.png")
+        fig = plot.figure(results, config.plot, sweep_dir / "excess_risk.png", labels=cell.method_labels(config))
         tracking.setup(config)
         name = config.get("experiment_name") or f"sweep {config.regime.name}"
         tracking.finish_sweep(

@@ -7,7 +7,7 @@ import logging
 import time
 
 from pipeline import tracking
-from pipeline.methods import METHODS
+from pipeline.methods import ESTIMATORS
 from pipeline.methods.base import Fit
 
 log = logging.getLogger(__name__)
@@ -16,14 +16,14 @@ log = logging.getLogger(__name__)
 def run(problem, const, cfg) -> dict[str, Fit]:
     tracking.log_params("train", const.as_params() | {"oracle": cfg.oracle, "eps": cfg.privacy.eps, "delta": cfg.privacy.delta})
     fits = {}
-    for name in cfg.methods:
-        method = METHODS[name]
+    for name, spec in cfg.method.items():
+        method = ESTIMATORS[spec.estimator]
         start = time.perf_counter()
         # A non-private estimate does not depend on eps or delta: cells that share their
         # problem (a sweep over eps) share it too.
-        key = (name, tuple(const.as_params().items()), cfg.oracle, cfg.seed)
+        key = (name, str(spec), tuple(const.as_params().items()), cfg.oracle, cfg.seed)
         if method.PRIVATE or key not in problem.fits:
-            fit = method.fit(problem, const, cfg)
+            fit = method.fit(problem, const, cfg, spec)
             if not method.PRIVATE:
                 problem.fits[key] = fit
         else:

@@ -63,8 +63,8 @@ def test_regimes_carry_the_papers_grids(cfg_for):
     ("trials=0", "trials"),
     ("regime.eta0=1.0", "eta0"),
     ("regime.lam=-1", "regime.lam"),
-    ("methods=[ridge,sgd]", "methods"),
-    ("methods=[gd]", "ridge"),
+    ("method=[gd,noisyhead]", "ridge"),
+    ("+method.mine.estimator=sgd", "method.mine.estimator"),
     ("regime.T=[]", "regime.T"),
     ("privacy.accountant=rdp", "privacy.accountant"),
 ])
@@ -85,6 +85,15 @@ def test_unknown_keys_and_options_are_refused_by_composition(cfg_for):
         cfg_for("regime=nosuchregime")
     with pytest.raises(ConfigCompositionException):
         cfg_for("regime.nosuchkey=1")
+    with pytest.raises(ConfigCompositionException):
+        cfg_for("method=[ridge,nosuchmethod]")
+
+
+def test_methods_are_a_config_group(cfg_for):
+    assert list(cfg_for().method) == ["ridge", "gd", "noisyhead"]
+    cfg = cfg_for("method=[ridge,noisyhead]")
+    assert list(cfg.method) == ["ridge", "noisyhead"]
+    assert cfg.method.noisyhead.estimator == "noisyhead"
 
 
 def test_every_regime_constant_is_documented_in_yaml():

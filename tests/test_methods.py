@@ -106,15 +106,15 @@ def test_frobenius_projection():
 
 def test_the_same_seed_gives_the_same_numbers(cfg_for):
     from pipeline import config, data
-    from pipeline.methods import METHODS
+    from pipeline.methods import ESTIMATORS
 
     cfg = cfg_for("trials=3", "regime.N=50", "dataset.n_test=10", "compute.chunk_trials=2")
     const = config.validate(cfg)
     first = data.synthetic(const, trials=3, n_test=10, seed=0, chunk=2, dtype=D64)
     second = data.synthetic(const, trials=3, n_test=10, seed=0, chunk=2, dtype=D64)
     assert first.fingerprint == second.fingerprint
-    a = METHODS["noisyhead"].fit(first, const, cfg).gamma
-    b = METHODS["noisyhead"].fit(second, const, cfg).gamma
+    a = ESTIMATORS["noisyhead"].fit(first, const, cfg).gamma
+    b = ESTIMATORS["noisyhead"].fit(second, const, cfg).gamma
     assert torch.equal(a, b)
     other = data.synthetic(const, trials=3, n_test=10, seed=1, chunk=2, dtype=D64)
     assert other.fingerprint != first.fingerprint

@@ -1,7 +1,12 @@
-"""Estimators: each module has ``fit(problem, const, cfg) -> Fit``, batched over trials,
-and ``PRIVATE``, whether its output is differentially private (a private estimate depends
-on eps and delta; a non-private one is shared by every cell with the same data)."""
+"""Estimators. Each module has ``fit(problem, const, cfg, spec) -> Fit``, batched over
+trials, and ``PRIVATE``: whether its output is differentially private (a private estimate
+depends on eps and delta; a non-private one is shared by every cell with the same data).
+
+Which estimators run is configuration: ``conf/method/<name>.yaml`` holds ``<name>:`` with
+``estimator`` (a key of ``ESTIMATORS``), a ``label`` and the estimator's own settings
+(``spec``); one estimator can serve several method files with different settings.
+"""
 
 from pipeline.methods import gd, noisyhead, ridge
 
-METHODS = {"ridge": ridge, "gd": gd, "noisyhead": noisyhead}
+ESTIMATORS = {"ridge": ridge, "gd": gd, "noisyhead": noisyhead}

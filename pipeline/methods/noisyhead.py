@@ -19,7 +19,7 @@ from pipeline.methods.descent import Quadratic, descend, initial_gamma, run
 PRIVATE = True
 
 
-def fit(problem, const, cfg) -> Fit:
+def fit(problem, const, cfg, spec=None) -> Fit:
     B, N, D = problem.private.shape
     dtype = problem.private.q.dtype
     eps, delta = float(cfg.privacy.eps), float(cfg.privacy.delta)
