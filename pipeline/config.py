@@ -142,6 +142,11 @@ def validate(cfg: DictConfig) -> Constants:
         raise ConfigError(f"attack.name {cfg.attack.name!r} is not supported yet (only 'none')")
     const = derive(cfg.regime)
     _check_privacy(cfg.privacy, T=const.T)
+    for name, spec in cfg.method.items():
+        check = getattr(ESTIMATORS[spec.estimator], "check", None)
+        problem = check(spec, cfg) if check else None
+        if problem:
+            raise ConfigError(f"method.{name}: {problem}")
     return const
 
 

@@ -69,3 +69,20 @@ def figure(df: pd.DataFrame, spec: DictConfig, path: Path, labels: dict[str, str
     fig.savefig(path, dpi=130)
     plt.close(fig)
     return path
+
+
+def table(df: pd.DataFrame, rows: list[str], value: str, labels: dict[str, str] | None = None) -> tuple[pd.DataFrame, str]:
+    """One row per combination of ``rows``, one column per method: "mean (sd)" of ``value``.
+    Returns the numeric table (means and sds as columns) and its Markdown rendering."""
+    labels = labels or {}
+    methods = list(dict.fromkeys(df["method"]))
+    wide = df.pivot_table(index=rows, columns="method", values=[f"{value}_mean", f"{value}_sd"], sort=True)
+    header = [*rows, *(labels.get(m, m) for m in methods)]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for key, row in wide.iterrows():
+        key = key if isinstance(key, tuple) else (key,)
+        cells = [f"{k:g}" for k in key]
+        cells += [f"{row[(f'{value}_mean', m)]:.4g} ({row[(f'{value}_sd', m)]:.2g})" for m in methods]
+        lines.append("| " + " | ".join(cells) + " |")
+    wide.columns = [f"{m}_{stat.removeprefix(value + '_')}" for stat, m in wide.columns]
+    return wide.reset_index(), "\n".join(lines) + "\n"

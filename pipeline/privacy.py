@@ -51,4 +51,39 @@ def noisyhead_step_std(*, eta0: float, sigma: float, N: int, T: int, eps: float,
     )
 
 
+def ridge_sensitivity(*, C: float, G: float, lam: float, N: int) -> float:
+    """l2-sensitivity of the output-perturbed ridge estimate (appendix B), proven here.
+
+    Gamma = argmin F(Gamma), F = (1/2) sum_k (y_k - <Gamma, Z_k>)^2 + (lam N / 2) ||Gamma||^2,
+    on features with ||Z_k||_F <= G and responses |y_k| <= C (clipped and projected).
+    F is lam N-strongly convex. Let prompt i change (Z, y) -> (Z', y'), Gamma and Gamma' the
+    two minimisers, l and l' the two versions of prompt i's loss, and F' the changed objective.
+    Strong convexity of F at its minimiser Gamma gives
+        lam N ||Gamma' - Gamma||^2 <= <grad F(Gamma'), Gamma' - Gamma>
+                                    = <grad l(Gamma') - grad l'(Gamma'), Gamma' - Gamma>,
+    since grad F'(Gamma') = 0. With grad l(Gamma) = (<Gamma, Z> - y) Z,
+        ||Gamma - Gamma'|| <= (|<Gamma', Z> - y| ||Z|| + |<Gamma', Z'> - y'| ||Z'||) / (lam N)
+                           <= 2 G (C + G ||Gamma'||) / (lam N).
+    Any minimiser obeys ||Gamma|| <= C / sqrt(lam) (F(Gamma) <= F(0) = sum y^2 / 2 <= N C^2 / 2)
+    and ||Gamma|| <= C G / lam (||sum y Z|| <= N C G, and the system matrix is >= lam N I).
+    The bound is attained up to lower-order terms: one prompt (Z, C) against (-Z, C) with
+    every other feature zero already moves Gamma by 2 C G / (lam N + G^2).
+    """
+    norm = min(C / math.sqrt(lam), C * G / lam)
+    return 2 * G * (C + G * norm) / (lam * N)
+
+
+def ridge_sensitivity_printed(*, C: float, G: float, lam: float, N: int) -> float:
+    """The sensitivity appendix B asserts without proof, C G / (lam N). It is too small:
+    see ``ridge_sensitivity``'s two-prompt example, which already moves Gamma by about twice it."""
+    return C * G / (lam * N)
+
+
+def ridge_std_printed(*, C: float, G: float, lam: float, N: int, eps: float, delta: float) -> float:
+    """Appendix B's noise, exactly as printed: variance C^2 G^2 log(1.25/delta) / (lam^2 N^2 eps^2).
+    Besides the sensitivity, it lacks the factor 2 under the logarithm of the classic Gaussian
+    mechanism, so it is (eps, delta)-DP for neither sensitivity."""
+    return ridge_sensitivity_printed(C=C, G=G, lam=lam, N=N) * math.sqrt(math.log(1.25 / delta)) / eps
+
+
 ACCOUNTANTS = ("basic",)  # basic: each of the T steps at (eps/T, delta/T)

@@ -37,10 +37,19 @@ class SweepCallback(Callback):
         csv = sweep_dir / "results.csv"
         results.to_csv(csv, index=False)
         fig = plot.figure(results, config.plot, sweep_dir / "excess_risk.png", labels=cell.method_labels(config))
+        artifacts = [str(csv), str(fig)]
+        if config.report.table:
+            spec = config.report.table
+            shown = results[results["method"].isin(list(config.plot.methods))]
+            numbers, markdown = plot.table(shown, list(spec.rows), spec.value, labels=cell.method_labels(config))
+            numbers.to_csv(sweep_dir / "table.csv", index=False)
+            (sweep_dir / "table.md").write_text(markdown)
+            artifacts += [str(sweep_dir / "table.csv"), str(sweep_dir / "table.md")]
+            log.info("table:\n%s", markdown)
         tracking.setup(config)
         name = config.get("experiment_name") or f"sweep {config.regime.name}"
         tracking.finish_sweep(
-            sweep, name, [str(csv), str(fig)],
+            sweep, name, artifacts,
             params={"cells": len(frames), "regime": config.regime.name, "sweep_dir": str(sweep_dir)},
         )
         log.info("sweep of %d cells: wrote %s and %s", len(frames), csv, fig)

@@ -86,3 +86,17 @@ def test_a_bad_cell_stops_the_sweep_before_any_cell_runs(run_cli):
     assert not list((run_cli.tmp / "sweep").glob("*/results.csv"))
     _, found = runs(run_cli.store)
     assert found == []
+
+
+def test_table_sweep_writes_csv_and_markdown(run_cli):
+    run_cli("experiment=table1_dpridge", "trials=3", "dataset.n_test=10", "regime.N=40,60", "privacy.eps=0.2", "-m")
+    sweep = run_cli.tmp / "sweep"
+    markdown = (sweep / "table.md").read_text().splitlines()
+    assert markdown[0].startswith("| N | eps |") and "appendix B as printed" in markdown[0]
+    assert len(markdown) == 2 + 2  # header, rule, one row per N
+    table = pd.read_csv(sweep / "table.csv")
+    assert {"dp_ridge_mean", "dp_ridge_sd", "dp_ridge_paper_mean", "noisyhead_mean"} <= set(table.columns)
+    _, found = runs(run_cli.store)
+    parent = next(r for r in found if r.data.tags.get("kind") == "sweep")
+    client = mlflow.MlflowClient(tracking_uri=run_cli.store)
+    assert {"table.md", "table.csv"} <= {a.path for a in client.list_artifacts(parent.info.run_id)}

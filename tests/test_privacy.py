@@ -83,3 +83,60 @@ def test_injected_noise_has_the_calibrated_std():
     sample = out.flatten()
     assert abs(sample.mean().item()) < 4 * std / math.sqrt(sample.numel())
     assert abs(sample.std().item() / std - 1) < 0.01
+
+
+def _ridge_gap(params, C, G, mu, D):
+    """Parametrised neighbouring sets (prompt 0 differs) -> ||Gamma - Gamma'|| of the penalised ridge."""
+    from pipeline.methods import ridge
+
+    raw_q, raw_v, raw_y = params
+    q = raw_q / raw_q.norm(dim=-1, keepdim=True)
+    v = raw_v * torch.clamp(G / raw_v.norm(dim=-1, keepdim=True), max=1.0)  # ||q v^T|| = ||v|| <= G
+    y = C * torch.tanh(raw_y)
+    # slot 0 holds prompt 0 of the first set, slot 1 its replacement; slots 2.. are shared
+    first = Features(q[:, [0, *range(2, q.shape[1])]], v[:, [0, *range(2, q.shape[1])]], y[:, [0, *range(2, q.shape[1])]])
+    second = Features(q[:, 1:], v[:, 1:], y[:, 1:])
+    return torch.linalg.matrix_norm(ridge.solve_direct(first, mu) - ridge.solve_direct(second, mu))
+
+
+def test_output_perturbed_ridge_sensitivity_bound_holds_at_worst_case_neighbours():
+    """Search (gradient ascent from many starts) for neighbouring prompt sets that move the
+    ridge solution most; the proven bound must hold, and the printed one is exceeded."""
+    gen = torch.Generator().manual_seed(0)
+    starts, N, D, C, G = 256, 4, 2, 1.0, 1.0
+    worst = {}
+    for mu in (0.05, 5.0, 50.0):
+        params = [torch.randn(starts, N + 1, D, generator=gen, dtype=torch.float64).requires_grad_(),
+                  torch.randn(starts, N + 1, D, generator=gen, dtype=torch.float64).requires_grad_(),
+                  torch.randn(starts, N + 1, generator=gen, dtype=torch.float64).requires_grad_()]
+        opt = torch.optim.Adam(params, lr=0.05)
+        best = 0.0
+        for _ in range(300):
+            gap = _ridge_gap(params, C, G, mu, D)
+            best = max(best, gap.max().item())
+            opt.zero_grad()
+            (-gap.sum()).backward()
+            opt.step()
+        worst[mu] = best
+        proven = privacy.ridge_sensitivity(C=C, G=G, lam=mu, N=N)
+        printed = privacy.ridge_sensitivity_printed(C=C, G=G, lam=mu, N=N)
+        assert best <= proven * (1 + 1e-9), (mu, best, proven)
+        if mu * N >= 10 * G**2:  # the realistic regime (lam N >> G^2): the printed C G / (lam N) is exceeded
+            assert best > 1.5 * printed
+        print(f"mu = {mu}: worst found {best:.4g}, proven bound {proven:.4g} ({best / proven:.0%} of it), "
+              f"printed bound {printed:.4g} (exceeded {best / printed:.2f}x)")
+
+
+def test_output_perturbed_ridge_noise_calibrations():
+    from types import SimpleNamespace
+
+    from pipeline.methods import dp_ridge
+
+    const = SimpleNamespace(C=4.5, G=1.4, N=2000, lam=5.0)
+    eps, delta, mu = 0.2, 1e-5, 5.0
+    printed = dp_ridge.noise_std(SimpleNamespace(calibration="paper"), const, mu, eps=eps, delta=delta)
+    assert math.isclose(printed**2, 4.5**2 * 1.4**2 * math.log(1.25 / delta) / (mu**2 * 2000**2 * eps**2))
+    derived = dp_ridge.noise_std(SimpleNamespace(calibration="derived"), const, mu, eps=eps, delta=delta)
+    sens = privacy.ridge_sensitivity(C=4.5, G=1.4, lam=mu, N=2000)
+    assert math.isclose(derived, sens * math.sqrt(2 * math.log(1.25 / delta)) / eps)
+    assert derived > 2 * printed

@@ -1,0 +1,58 @@
+"""Output-perturbed ridge (appendix B): the ridge solution on the private view plus Gaussian noise.
+
+Gamma_dagger = (mu N I + sum_k vec(Z~_k) vec(Z~_k)^T)^{-1} sum_k clip_C(y_k) vec(Z~_k) on the clipped,
+projected features NoisyHead uses, plus W ~ N(0, s^2 I). The penalty mu is the oracle's
+(``ridge.penalty``: 2 lam with ``oracle=update``, the printed lam with ``oracle=printed``), so that
+without noise the estimate is the oracle's on the private view; both sensitivities below are
+evaluated at the mu actually used.
+
+The method's ``calibration`` setting picks s:
+- ``derived``: the classic Gaussian mechanism on the sensitivity proven in
+  ``privacy.ridge_sensitivity``; (eps, delta)-DP for eps < 1.
+- ``paper``: the printed variance C^2 G^2 log(1.25/delta) / (lam^2 N^2 eps^2)
+  (``privacy.ridge_std_printed``), kept to reproduce Table 1; it is not a proven guarantee.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pipeline import privacy, rng
+from pipeline.methods import ridge
+from pipeline.methods.base import Fit, chunks
+
+PRIVATE = True
+
+
+def check(spec, cfg) -> str | None:
+    """What in the config this estimator cannot honour, or None."""
+    if spec.calibration not in ("derived", "paper"):
+        return f"calibration must be 'derived' or 'paper', got {spec.calibration!r}"
+    if spec.calibration == "derived" and not cfg.privacy.eps < 1:
+        return f"the classic Gaussian mechanism needs privacy.eps < 1, got {cfg.privacy.eps}"
+    return None
+
+
+def sensitivity(spec, const, mu: float) -> float:
+    bound = privacy.ridge_sensitivity_printed if spec.calibration == "paper" else privacy.ridge_sensitivity
+    return bound(C=const.C, G=const.G, lam=mu, N=const.N)
+
+
+def noise_std(spec, const, mu: float, *, eps: float, delta: float) -> float:
+    if spec.calibration == "paper":
+        return privacy.ridge_std_printed(C=const.C, G=const.G, lam=mu, N=const.N, eps=eps, delta=delta)
+    return privacy.gaussian_std(sensitivity=sensitivity(spec, const, mu), eps=eps, delta=delta)
+
+
+def fit(problem, const, cfg, spec) -> Fit:
+    eps, delta = float(cfg.privacy.eps), float(cfg.privacy.delta)
+    mu = ridge.penalty(const.lam, cfg.oracle)
+    std = noise_std(spec, const, mu, eps=eps, delta=delta)
+    parts = []
+    for i, sl in chunks(problem.trials, cfg.compute.chunk_trials, spec.estimator):
+        gamma = ridge.solve(problem.private[sl], mu)
+        noise = rng.randn(gamma.shape, rng.generator(cfg.seed, f"noise:{spec.calibration}-ridge", i), gamma.dtype)
+        parts.append(gamma + std * noise)
+    params = {"calibration": spec.calibration, "penalty": mu, "sensitivity": sensitivity(spec, const, mu),
+              "noise_std": f"{std:.6g}"}
+    return Fit(gamma=torch.cat(parts).unsqueeze(1), private=True, params=params)
