@@ -52,6 +52,20 @@ def test_ridge_solves_its_normal_equations(N, D, method, max_iter):
     assert torch.allclose(lhs, rhs, atol=1e-10)
 
 
+def test_ridge_stays_accurate_with_an_outlying_prompt():
+    """The attack of Section 5 adds ~1e8 to one prompt's responses: the normal equations would
+    lose about 16 digits there; the QR path keeps the residual at round-off."""
+    f = random_features(N=200, D=3)
+    f.v[:, 0] *= 1e8
+    f.y[:, 0] += 1e8
+    mu = 0.02
+    gamma = ridge.solve(f, mu)
+    flat = f.flat()
+    rhs = flat.mT @ f.y.unsqueeze(-1)
+    residual = (mu * 200 * torch.eye(9, dtype=D64) + flat.mT @ flat) @ gamma.reshape(6, 9, 1) - rhs
+    assert (residual.norm(dim=(-2, -1)) / rhs.norm(dim=(-2, -1))).max() < 1e-12
+
+
 def test_closed_form_ridge_is_the_fixed_point_of_non_private_gd():
     f = random_features(N=60, D=3)
     lam, eta0 = 0.3, 0.5

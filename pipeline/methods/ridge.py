@@ -9,14 +9,16 @@ Which mu is the oracle's is the config's ``oracle`` choice:
 - ``printed``: mu = lam, equation (2.7) to the letter (the minimiser of (2.6)); GD then
   converges to a different point and its excess risk stalls at a small floor.
 
-Small systems are solved directly (Cholesky of the D^2 x D^2 primal or N x N dual
-system, whichever is cheaper). Large ones are solved by conjugate gradients through the
+Small systems are solved directly (QR of the D^2-column primal least-squares problem or
+Cholesky of the N x N dual system, whichever is cheaper). Large ones are solved by conjugate gradients through the
 factored features, to a relative residual of 1e-13: with lam = N / D the system is
 nearly a multiple of the identity and CG needs a handful of products by H. A trial that
 does not converge is solved directly.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 from torch import Tensor
@@ -60,7 +62,7 @@ def solve(feats: Features, mu: float, *, method: str = "auto", tol: float = 1e-1
 
 
 def _primal_cost(N: int, D: int) -> float:
-    return 2 * N * D**4 + D**6 / 3
+    return 2 * (N + D**2) * D**4
 
 
 def _dual_cost(N: int, D: int) -> float:
@@ -68,12 +70,24 @@ def _dual_cost(N: int, D: int) -> float:
 
 
 def solve_direct(feats: Features, mu: float) -> Tensor:
-    """The same solution by Cholesky, of the primal or the dual system, whichever is cheaper."""
+    """The same solution by a direct method, primal or dual, whichever is cheaper.
+
+    Primal: Cholesky of the normal equations H + mu I when their condition number, at most
+    1 + max_k ||Z_k||^2 / mu, is below 1e6; else least squares on [Z; sqrt(mu N) I] vec(Gamma) =
+    [y; 0] by QR, which stays accurate with an outlying prompt (the normal equations square
+    the condition number).
+    Dual: Cholesky of K + mu N I, whose accuracy an outlier's large diagonal entry does not
+    hurt (Cholesky is insensitive to diagonal scaling)."""
     B, N, D = feats.shape
     if _primal_cost(N, D) <= _dual_cost(N, D):
-        A = feats.gram() + mu * torch.eye(D * D, dtype=feats.q.dtype)
-        rhs = feats.moment().reshape(B, D * D, 1)
-        return torch.cholesky_solve(rhs, torch.linalg.cholesky(A)).reshape(B, D, D)
+        if (feats.norms().square().max() / mu).item() < 1e6:
+            A = feats.gram() + mu * torch.eye(D * D, dtype=feats.q.dtype)
+            rhs = feats.moment().reshape(B, D * D, 1)
+            return torch.cholesky_solve(rhs, torch.linalg.cholesky(A)).reshape(B, D, D)
+        ridge_rows = math.sqrt(mu * N) * torch.eye(D * D, dtype=feats.q.dtype).expand(B, D * D, D * D)
+        A = torch.cat([feats.flat(), ridge_rows], 1)
+        rhs = torch.cat([feats.y, feats.y.new_zeros(B, D * D)], 1).unsqueeze(-1)
+        return torch.linalg.lstsq(A, rhs).solution.reshape(B, D, D)
     # Dual: vec(Gamma) = Z^T (Z Z^T + mu N I)^{-1} y
     A = feats.kernel() + mu * N * torch.eye(N, dtype=feats.q.dtype)
     alpha = torch.cholesky_solve(feats.y.unsqueeze(-1), torch.linalg.cholesky(A)).squeeze(-1)
