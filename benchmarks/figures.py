@@ -52,8 +52,8 @@ def side_by_side(trials: int) -> None:
     start = time.perf_counter()
     problem = data.make_problem(cfg, const)
     fits = {name: ESTIMATORS[spec.estimator].fit(problem, const, cfg, spec) for name, spec in cfg.method.items()}
-    excess, _ = zip(*(evaluate.per_trial(fits[m].gamma, fits["ridge"].gamma, problem.test, cfg.compute.chunk_trials)
-                      for m in ("gd", "noisyhead")))
+    excess = [evaluate.gap(fits[m].gamma, fits["ridge"].gamma, problem.test, cfg.compute.chunk_trials)
+              for m in ("gd", "noisyhead")]
     batched = time.perf_counter() - start
     start = time.perf_counter()
     loop = baseline_numpy.run(const, eps=0.2, delta=cfg.privacy.delta, trials=trials, n_test=cfg.dataset.n_test)

@@ -11,7 +11,7 @@ import torch
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
-from pipeline import config, data, evaluate, plot, tracking, train
+from pipeline import attacks, config, data, evaluate, plot, tracking, train
 
 log = logging.getLogger(__name__)
 
@@ -29,12 +29,15 @@ def cell_name(cfg: DictConfig, const: config.Constants) -> str:
 
 
 def summary(results) -> str:
-    lines = [f"{'method':>10} {'T':>5} {'excess risk (mean +- sd)':>30} {'95% CI of mean':>26} {'test MSE':>10}"]
+    attacked = results["attack_risk_mean"].notna().any()
+    head = f"{'method':>15} {'T':>5} {'excess risk (mean +- sd)':>30} {'95% CI of mean':>26} {'test MSE':>10}"
+    lines = [head + (f" {'coupling':>12} {'attack risk (mean +- sd)':>28}" if attacked else "")]
     for r in results.itertuples():
-        lines.append(
-            f"{r.method:>10} {r.T:>5} {r.excess_risk_mean:>16.4g} +- {r.excess_risk_sd:<10.3g} "
-            f"[{r.excess_risk_ci_low:>10.4g}, {r.excess_risk_ci_high:>10.4g}] {r.test_mse_mean:>10.4g}"
-        )
+        line = (f"{r.method:>15} {r.T:>5} {r.excess_risk_mean:>16.4g} +- {r.excess_risk_sd:<10.3g} "
+                f"[{r.excess_risk_ci_low:>10.4g}, {r.excess_risk_ci_high:>10.4g}] {r.test_mse_mean:>10.4g}")
+        if attacked:
+            line += f" {r.coupling:>12} {r.attack_risk_mean:>14.4g} +- {r.attack_risk_sd:<10.3g}"
+        lines.append(line)
     return "\n".join(lines)
 
 
@@ -58,7 +61,11 @@ def run(cfg: DictConfig) -> Path:
         mlflow.log_text(OmegaConf.to_yaml(cfg, resolve=True), "config.yaml")
         problem = data.run(cfg, const)
         fits = train.run(problem, const, cfg)
-        results = evaluate.run(problem, fits, const, cfg)
+        attacked = None
+        if cfg.attack.name != "none":
+            bad = attacks.ATTACKS[cfg.attack.name](problem, const, cfg.attack)
+            attacked = train.run_attacked(bad, const, cfg)
+        results = evaluate.run(problem, fits, const, cfg, attacked)
         out.mkdir(parents=True, exist_ok=True)
         csv = out / "results.csv"
         results.to_csv(csv, index=False)

@@ -138,9 +138,8 @@ def validate(cfg: DictConfig) -> Constants:
         raise ConfigError("method must include ridge: it is the oracle every excess risk is measured against")
     if cfg.dataset.name != "synthetic":
         raise ConfigError(f"dataset.name {cfg.dataset.name!r} is not supported yet (only 'synthetic')")
-    if cfg.attack.name != "none":
-        raise ConfigError(f"attack.name {cfg.attack.name!r} is not supported yet (only 'none')")
     const = derive(cfg.regime)
+    _check_attack(cfg.attack, N=const.N)
     _check_privacy(cfg.privacy, T=const.T)
     for name, spec in cfg.method.items():
         check = getattr(ESTIMATORS[spec.estimator], "check", None)
@@ -148,6 +147,24 @@ def validate(cfg: DictConfig) -> Constants:
         if problem:
             raise ConfigError(f"method.{name}: {problem}")
     return const
+
+
+def _check_attack(cfg: DictConfig, *, N: int) -> None:
+    if cfg.name == "none":
+        return
+    from pipeline.attacks import ATTACKS
+
+    if cfg.name not in ATTACKS:
+        raise ConfigError(f"attack.name {cfg.name!r} is unknown; known: none, {', '.join(ATTACKS)}")
+    prompts = cfg.prompts
+    if isinstance(prompts, bool) or not isinstance(prompts, int) or not 1 <= prompts <= N:
+        raise ConfigError(f"attack.prompts must be an integer in [1, N = {N}], got {prompts!r}")
+    if cfg.choice != "uniform":
+        raise ConfigError(f"attack.choice {cfg.choice!r} is unknown; known: uniform")
+    for key in ("mu", "c", "p"):
+        value = cfg[key]
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise ConfigError(f"attack.{key} must be a finite number, got {value!r}")
 
 
 def _check_privacy(cfg: DictConfig, *, T: tuple[int, ...]) -> None:

@@ -19,6 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
+from torch import Tensor
 from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
@@ -27,6 +28,15 @@ from pipeline.config import Constants
 from pipeline.features import Features, from_tokens, privatize
 
 log = logging.getLogger(__name__)
+
+
+@dataclass
+class Tokens:
+    """Raw tokens of k chosen training prompts per trial (the ones an attack replaces)."""
+
+    index: Tensor  # (B, k) positions of the prompts among the N
+    x: Tensor  # (B, k, D, L+1) tokens as columns
+    y: Tensor  # (B, k, L+1) responses
 
 
 @dataclass
@@ -39,63 +49,91 @@ class Problem:
     clip_fraction: float  # share of training responses y_{k,i} that clip_C changed
     projected_fraction: float  # share of training features that Pi_G shrank
     fingerprint: str  # sha256 (prefix) of the raw train and test tensors
-    fits: dict = field(default_factory=dict)  # non-private estimates, shared by the cells that reuse this problem
+    kept: Tokens | None = None  # raw tokens of the prompts an attack will perturb
+    fits: dict = field(default_factory=dict)  # estimates, shared by the cells that reuse this problem
 
     @property
     def trials(self) -> int:
         return self.train.q.shape[0]
 
 
-def _sphere_prompts(n_trials: int, n_prompts: int, L: int, D: int, tau: float, gen, C: float | None):
+def _sphere_prompts(n_trials: int, n_prompts: int, L: int, D: int, tau: float, gen, C: float | None,
+                    keep: Tensor | None = None):
     """Draw prompts and reduce them to raw features and, when C is given, clipped ones.
 
-    Returns raw Features (n_trials, n_prompts), clipped Features or None, and how many
-    responses clip_C changed. Arithmetic runs in float32, in slices of about ``_SLICE``
-    numbers so the temporaries stay small; the slices share one generator, so they do not
-    change the draws. Tokens are the columns of (D, L+1) blocks, as in the prompt matrix E.
+    Returns raw Features (n_trials, n_prompts), clipped Features or None, how many responses
+    clip_C changed, and the raw tokens of the prompts that ``keep`` (n_trials, k) names.
+    The n_trials * n_prompts prompts are drawn in order, in slices of about ``_SLICE``
+    numbers so that the float32 temporaries stay small (the slices share one generator, so
+    they do not change the draws). Tokens are the columns of (D, L+1) blocks, as in E.
     """
-    raw, clipped, n_clipped = [], [], 0
-    step = max(1, _SLICE // (n_prompts * (L + 1) * D))
-    for s in range(0, n_trials, step):
-        b = min(step, n_trials - s)
-        x = torch.empty(b, n_prompts, D, L + 1).normal_(generator=gen)
+    total = n_trials * n_prompts
+    # Outputs are allocated up front and filled slice by slice: small long-lived tensors made
+    # between the large short-lived slices would fragment the heap (seen: 7 GB for 0.1 GB of data).
+    raw = _empty(total, D)
+    clipped = _empty(total, D) if C is not None else None
+    n_clipped = 0
+    wanted = None if keep is None else (torch.arange(n_trials).unsqueeze(1) * n_prompts + keep).flatten()
+    ascending = None if wanted is None else wanted.sort().values
+    if wanted is not None:  # filled in increasing position
+        kept_x, kept_y, n_kept = torch.empty(len(wanted), D, L + 1), torch.empty(len(wanted), L + 1), 0
+    step = max(1, _SLICE // ((L + 1) * D))
+    for start in range(0, total, step):
+        m = min(step, total - start)
+        x = torch.empty(m, D, L + 1).normal_(generator=gen)
         x.mul_(torch.rsqrt(x.square().sum(-2, keepdim=True)))  # uniform on the sphere
-        w = torch.empty(b, n_prompts, D, 1).normal_(generator=gen)
-        y = (x * w).sum(-2)  # (b, n, L+1): y_i = w.x_i
+        w = torch.empty(m, D, 1).normal_(generator=gen)
+        y = (x * w).sum(-2)  # (m, L+1): y_i = w.x_i
         if tau > 0:
             y += tau * torch.empty_like(y).normal_(generator=gen)
-        raw.append(from_tokens(x, y))
+        _fill(raw, start, from_tokens(x, y))
+        if wanted is not None:
+            here = ascending[(ascending >= start) & (ascending < start + m)] - start
+            kept_x[n_kept : n_kept + len(here)], kept_y[n_kept : n_kept + len(here)] = x[here], y[here]
+            n_kept += len(here)
         if C is not None:
-            clipped.append(from_tokens(x, y, clip=C))
+            _fill(clipped, start, from_tokens(x, y, clip=C))
             n_clipped += int((y.abs() > C).sum())  # context and query responses
-    return _cat(raw), _cat(clipped) if clipped else None, n_clipped
+    shape = (n_trials, n_prompts)
+    raw = raw.reshape(*shape)
+    clipped = clipped.reshape(*shape) if clipped is not None else None
+    kept = None
+    if wanted is not None:  # back in the order of ``keep``: element i is the rank(i)-th in position
+        order = wanted.argsort().argsort()
+        kept = (kept_x[order].reshape(*keep.shape, D, L + 1), kept_y[order].reshape(*keep.shape, L + 1))
+    return raw, clipped, n_clipped, kept
 
 
-def _cat(parts: list[Features]) -> Features:
-    return Features(*(torch.cat([getattr(p, k) for p in parts]) for k in ("q", "v", "y")))
+def _fill(out: Features, start: int, part: Features) -> None:
+    rows = slice(start, start + part.y.shape[0])
+    out.q[rows], out.v[rows], out.y[rows] = part.q, part.v, part.y
 
 
 _SLICE = 1 << 22  # numbers per generation slice (16 MB of float32)
 
 
-def synthetic(const: Constants, *, trials: int, n_test: int, seed: int, chunk: int, dtype) -> Problem:
+def synthetic(const: Constants, *, trials: int, n_test: int, seed: int, chunk: int, dtype, keep: int = 0) -> Problem:
     """Chunks of trials are drawn on two threads (each chunk has its own random streams,
-    so the numbers do not depend on the threading)."""
+    so the numbers do not depend on the threading). ``keep`` > 0 also keeps the raw tokens of
+    that many prompts per trial, chosen uniformly without replacement (stream "attack")."""
     N, L, D, C, G = const.N, const.L, const.D, const.C, const.G
 
     def draw(i: int):
         b = min(chunk, trials - i * chunk)
-        raw, clip, nc = _sphere_prompts(b, N, L, D, const.tau, rng.generator(seed, "train", i), C)
-        test, _, _ = _sphere_prompts(b, n_test, L, D, const.tau, rng.generator(seed, "test", i), None)
-        return raw, clip, test, nc
+        index = None
+        if keep:
+            index = torch.rand(b, N, generator=rng.generator(seed, "attack", i)).argsort(-1)[:, :keep]
+        raw, clip, nc, kept = _sphere_prompts(b, N, L, D, const.tau, rng.generator(seed, "train", i), C, index)
+        test, _, _, _ = _sphere_prompts(b, n_test, L, D, const.tau, rng.generator(seed, "test", i), None)
+        return raw, clip, test, nc, (index, kept)
 
     n_chunks = -(-trials // chunk)
     out = {
-        "train": _empty(trials, N, D, dtype),
-        "clipped": _empty(trials, N, D, dtype),
-        "test": _empty(trials, n_test, D, dtype),
+        "train": _empty(trials, N, D, dtype=dtype),
+        "clipped": _empty(trials, N, D, dtype=dtype),
+        "test": _empty(trials, n_test, D, dtype=dtype),
     }
-    n_clipped = 0
+    n_clipped, kept = 0, []
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # one core per chunk instead of two per operation
     try:
@@ -107,6 +145,7 @@ def synthetic(const: Constants, *, trials: int, n_test: int, seed: int, chunk: i
                     for k in ("q", "v", "y"):
                         getattr(out[name], k)[rows] = getattr(part, k)
                 n_clipped += parts[3]
+                kept.append(parts[4])
     finally:
         torch.set_num_threads(threads)
     train, clipped, test = out["train"], out["clipped"], out["test"]
@@ -120,17 +159,26 @@ def synthetic(const: Constants, *, trials: int, n_test: int, seed: int, chunk: i
         clip_fraction=n_clipped / (trials * N * (L + 1)),
         projected_fraction=(clipped.norms() > G).double().mean().item(),
         fingerprint=digest.hexdigest()[:16],
+        kept=Tokens(torch.cat([k[0] for k in kept]), torch.cat([k[1][0] for k in kept]).to(dtype),
+                    torch.cat([k[1][1] for k in kept]).to(dtype)) if keep else None,
     )
 
 
-def _empty(trials: int, n: int, D: int, dtype) -> Features:
-    return Features(torch.empty(trials, n, D, dtype=dtype), torch.empty(trials, n, D, dtype=dtype),
-                    torch.empty(trials, n, dtype=dtype))
+def _empty(*shape_and_D: int, dtype=torch.float32) -> Features:
+    """Uninitialised features of leading shape ``shape_and_D[:-1]`` and dimension D."""
+    *shape, D = shape_and_D
+    return Features(torch.empty(*shape, D, dtype=dtype), torch.empty(*shape, D, dtype=dtype),
+                    torch.empty(*shape, dtype=dtype))
 
 
 DATASETS = {"synthetic": synthetic}
 
 _last: tuple[str, Problem] | None = None
+
+
+def attack_prompts(cfg: DictConfig) -> int:
+    """How many prompts per trial the configured attack perturbs (their tokens are kept)."""
+    return int(cfg.attack.prompts) if cfg.attack.name != "none" else 0
 
 
 def make_problem(cfg: DictConfig, const: Constants) -> Problem:
@@ -145,6 +193,7 @@ def make_problem(cfg: DictConfig, const: Constants) -> Problem:
             "seed": cfg.seed,
             "chunk": cfg.compute.chunk_trials,
             "dtype": cfg.compute.dtype,
+            "keep": attack_prompts(cfg),
         },
         sort_keys=True,
     )
@@ -154,7 +203,7 @@ def make_problem(cfg: DictConfig, const: Constants) -> Problem:
     _last = None  # free the previous problem before drawing the next
     problem = DATASETS[cfg.dataset.name](
         const, trials=cfg.trials, n_test=cfg.dataset.n_test, seed=cfg.seed,
-        chunk=cfg.compute.chunk_trials, dtype=dtype,
+        chunk=cfg.compute.chunk_trials, dtype=dtype, keep=attack_prompts(cfg),
     )
     _last = (key, problem)
     return problem

@@ -1,9 +1,12 @@
-"""The evaluate step: excess risk against the ridge oracle, and absolute test MSE.
+"""The evaluate step: excess risk against the ridge oracle, absolute test MSE, and, under
+an attack, the risk the attack causes.
 
-Excess risk of an estimate (equation 7.1): (1/n_test) sum_k <Gamma_hat - Gamma*, Z_test_k>^2
-on fresh, unclipped test prompts, one value per trial; the table reports its mean,
-standard deviation across trials, a normal-approximation confidence interval for the
-mean, and the mean and sd of log10 of the per-trial values (for log-scale plots).
+Excess risk of an estimate (equation 7.1): (1/n_test) sum_k <Gamma_hat - Gamma*, Z_test_k>^2 on
+fresh, unclipped test prompts, one value per trial. Attack risk (Section 6.3, Risk_DP and
+Risk_Ridge): (1/n_test) sum_k <Gamma_hat - Gamma_hat_bad, Z_test_k>^2, clean against attacked
+fit of the same method. Each is summarised by its mean, its standard deviation across trials,
+a normal-approximation confidence interval for the mean, and the mean and sd of log10 of
+the per-trial values (for log-scale plots).
 """
 
 from __future__ import annotations
@@ -15,68 +18,87 @@ import pandas as pd
 import torch
 from torch import Tensor
 
-from pipeline import tracking
+from pipeline import attacks, tracking
 from pipeline.features import Features
 from pipeline.methods.base import Fit
 
-# The columns every later step reads; one row per (cell, method, T).
+STATS = ("mean", "sd", "ci_low", "ci_high")
+METRICS = ("excess_risk", "test_mse", "attack_risk")
+
+# The columns every later step reads; one row per (cell, method, T, coupling).
 COLUMNS = [
-    "regime", "dataset", "attack", "method", "private", "N", "L", "D", "eps", "delta", "T", "B",
+    "regime", "dataset", "attack", "method", "private", "coupling", "N", "L", "D", "eps", "delta", "T", "B",
     "lam", "eta0", "C", "G", "R", "sigma", "noise_std", "n_test", "seed", "oracle",
-    "excess_risk_mean", "excess_risk_sd", "excess_risk_ci_low", "excess_risk_ci_high",
-    "log10_excess_mean", "log10_excess_sd", "test_mse_mean", "test_mse_sd",
+    "attack_mu", "attack_c", "attack_p", "attack_alpha",
+    *(f"{m}_{s}" for m in METRICS for s in STATS),
+    *(f"log10_{m}_{s}" for m in ("excess_risk", "attack_risk") for s in ("mean", "sd")),
 ]
 
 
-def per_trial(gamma: Tensor, oracle: Tensor, test: Features, chunk: int) -> tuple[Tensor, Tensor]:
-    """Per-trial excess risk and test MSE of gamma (B, M, D, D) against oracle (B, 1, D, D): (B, M) each."""
-    excess, mse = [], []
+def gap(a: Tensor, b: Tensor, test: Features, chunk: int) -> Tensor:
+    """Per trial (1/n_test) sum_k <a_m - b, Z_test_k>^2 for a (B, M, D, D), b (B, M or 1, D, D): (B, M)."""
+    out = []
+    for start in range(0, a.shape[0], chunk):
+        sl = slice(start, start + chunk)
+        out.append((test[sl].inner(a[sl]) - test[sl].inner(b[sl])).square().mean(-1))
+    return torch.cat(out)
+
+
+def test_mse(gamma: Tensor, test: Features, chunk: int) -> Tensor:
+    """Per trial (1/n_test) sum_k (y_k - <gamma_m, Z_test_k>)^2: (B, M)."""
+    out = []
     for start in range(0, gamma.shape[0], chunk):
         sl = slice(start, start + chunk)
-        t = test[sl]
-        pred = t.inner(gamma[sl])
-        excess.append((pred - t.inner(oracle[sl])).square().mean(-1))
-        mse.append((pred - t.y.unsqueeze(1)).square().mean(-1))
-    return torch.cat(excess), torch.cat(mse)
+        out.append((test[sl].inner(gamma[sl]) - test[sl].y.unsqueeze(1)).square().mean(-1))
+    return torch.cat(out)
 
 
-def summarize(values: Tensor, level: float) -> dict[str, float]:
-    """Mean, sd (across trials) and a level-CI of the mean for values (B,)."""
+def summarize(values: Tensor, level: float, name: str) -> dict[str, float]:
+    """``name``_mean, _sd (across trials), _ci_low, _ci_high (level-CI of the mean), and the
+    mean and sd of log10 (NaN unless every value is positive) for values (B,)."""
     values = values.double()
     B = values.numel()
     mean = values.mean().item()
     sd = values.std().item() if B > 1 else 0.0
     half = NormalDist().inv_cdf(0.5 + level / 2) * sd / math.sqrt(B)
-    return {"mean": mean, "sd": sd, "ci_low": mean - half, "ci_high": mean + half}
+    out = {f"{name}_mean": mean, f"{name}_sd": sd, f"{name}_ci_low": mean - half, f"{name}_ci_high": mean + half}
+    logs = values.log10() if bool((values > 0).all()) else None
+    out[f"log10_{name}_mean"] = logs.mean().item() if logs is not None else math.nan
+    out[f"log10_{name}_sd"] = logs.std().item() if logs is not None and B > 1 else math.nan
+    return out
 
 
-def run(problem, fits: dict[str, Fit], const, cfg) -> pd.DataFrame:
+def run(problem, fits: dict[str, Fit], const, cfg, attacked: dict[str, dict[str, Fit]] | None = None) -> pd.DataFrame:
     oracle = fits["ridge"].gamma
     chunk = cfg.compute.chunk_trials
     level = float(cfg.evaluate.ci_level)
+    spec = cfg.attack
+    cell = {
+        "regime": cfg.regime.name, "dataset": cfg.dataset.name, "attack": spec.name,
+        "N": const.N, "L": const.L, "D": const.D, "eps": float(cfg.privacy.eps), "delta": float(cfg.privacy.delta),
+        "B": cfg.trials, "lam": const.lam, "eta0": const.eta0, "C": const.C, "G": const.G, "R": const.R,
+        "sigma": const.sigma, "n_test": cfg.dataset.n_test, "seed": cfg.seed, "oracle": cfg.oracle,
+    }
+    if attacked is not None:
+        cell |= {"attack_mu": float(spec.mu), "attack_c": float(spec.c), "attack_p": float(spec.p),
+                 "attack_alpha": attacks.alpha(spec, const.N)}
     rows = []
     for name, fit in fits.items():
-        excess, mse = per_trial(fit.gamma, oracle, problem.test, chunk)
+        excess = gap(fit.gamma, oracle, problem.test, chunk)
+        mse = test_mse(fit.gamma, problem.test, chunk)
         stds = str(fit.params.get("noise_std", "")).split(",")
-        for i, T in enumerate(const.T):
-            j = i if fit.gamma.shape[1] > 1 else 0  # an estimate that does not depend on T serves every T
-            e = summarize(excess[:, j], level)
-            m = summarize(mse[:, j], level)
-            positive = excess[:, j][excess[:, j] > 0]
-            logs = positive.log10() if positive.numel() == excess.shape[0] else None
-            rows.append({
-                "regime": cfg.regime.name, "dataset": cfg.dataset.name, "attack": cfg.attack.name,
-                "method": name, "private": fit.private, "N": const.N, "L": const.L, "D": const.D,
-                "eps": float(cfg.privacy.eps), "delta": float(cfg.privacy.delta), "T": T, "B": cfg.trials,
-                "lam": const.lam, "eta0": const.eta0, "C": const.C, "G": const.G, "R": const.R,
-                "sigma": const.sigma, "noise_std": float(stds[j]) if fit.private else 0.0,
-                "n_test": cfg.dataset.n_test, "seed": cfg.seed, "oracle": cfg.oracle,
-                **{f"excess_risk_{k}": v for k, v in e.items()},
-                "log10_excess_mean": logs.mean().item() if logs is not None else math.nan,
-                "log10_excess_sd": logs.std().item() if logs is not None and logs.numel() > 1 else math.nan,
-                "test_mse_mean": m["mean"], "test_mse_sd": m["sd"],
-            })
-            metrics = {f"{name}.excess_risk_{k}": v for k, v in e.items()}
-            metrics |= {f"{name}.test_mse_mean": m["mean"], f"{name}.test_mse_sd": m["sd"]}
-            tracking.log_metrics("evaluate", metrics, at=T if len(const.T) > 1 else None)
+        couplings = attacked[name] if attacked is not None else {"": None}
+        for coupling, bad in couplings.items():
+            risk = gap(fit.gamma, bad.gamma, problem.test, chunk) if bad is not None else None
+            for i, T in enumerate(const.T):
+                j = i if fit.gamma.shape[1] > 1 else 0  # an estimate that does not depend on T serves every T
+                stats = summarize(excess[:, j], level, "excess_risk") | summarize(mse[:, j], level, "test_mse")
+                if risk is not None:
+                    stats |= summarize(risk[:, j], level, "attack_risk")
+                std = float(stds[min(j, len(stds) - 1)]) if fit.private else 0.0
+                rows.append(cell | {"method": name, "private": fit.private, "coupling": coupling, "T": T,
+                                    "noise_std": std} | stats)
+                key = name + (f".{coupling}" if coupling else "")
+                metrics = {f"{key}.{k}": v for k, v in stats.items() if not k.startswith("log10") and math.isfinite(v)}
+                tracking.log_metrics("evaluate", metrics, at=T if len(const.T) > 1 else None)
     return pd.DataFrame(rows, columns=COLUMNS)

@@ -29,6 +29,11 @@ class Features:
         """The features of a subset of the trials (a slice, index or mask)."""
         return Features(self.q[trials], self.v[trials], self.y[trials])
 
+    def reshape(self, *shape: int) -> "Features":
+        """The same prompts with leading dimensions ``shape`` (e.g. trials x prompts)."""
+        D = self.q.shape[-1]
+        return Features(self.q.reshape(*shape, D), self.v.reshape(*shape, D), self.y.reshape(*shape))
+
     def inner(self, gamma: Tensor) -> Tensor:
         """<Gamma_m, Z_k> = q_k^T Gamma_m v_k for gamma (B, M, D, D): returns (B, M, N)."""
         B, M, D, _ = gamma.shape
@@ -74,7 +79,8 @@ def from_tokens(x: Tensor, y: Tensor, clip: float | None = None) -> Features:
         y = y.clamp(-clip, clip)
     L = x.shape[-1] - 1
     v = (x[..., :L] @ y[..., :L, None]).squeeze(-1) / L
-    return Features(x[..., L], v, y[..., L])
+    # copies, not views: a view would keep every token of the prompts alive
+    return Features(x[..., L].clone(), v, y[..., L].clone())
 
 
 def privatize(clipped: Features, G: float) -> Features:

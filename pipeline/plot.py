@@ -30,36 +30,53 @@ def _auto(df: pd.DataFrame, spec: DictConfig) -> tuple[str, str | None]:
     return x, hue
 
 
+def _series(row, labels: dict[str, str]) -> str:
+    name = labels.get(row["method"], row["method"])
+    coupling = row.get("coupling")
+    return f"{name}, {coupling} noise" if coupling in ("independent", "shared") else name
+
+
 def figure(df: pd.DataFrame, spec: DictConfig, path: Path, labels: dict[str, str] | None = None) -> Path:
-    """Excess risk against ``x``, one line per ``hue``, with +-k sd error bars; saved as PNG.
-    ``labels`` names the methods in legends and titles (default: the method names)."""
+    """``spec.y`` (excess_risk, attack_risk, ...) against ``spec.x``, one line per ``hue`` value
+    (or per method when hue is null), one panel per value of ``spec.facet`` (a column, or none),
+    with +-k sd error bars; saved as PNG. ``labels`` names the methods."""
     labels = labels or {}
+    y = spec.get("y", "excess_risk")
     df = df[df["method"].isin(list(spec.methods))].copy()
+    df = df[df[f"{y}_mean"].notna()]
     x, hue = _auto(df, spec)
     k = float(spec.k_sd)
     if spec.error_bars == "log_sd":
-        df["y"] = 10 ** df["log10_excess_mean"]
-        df["lo"] = df["y"] - 10 ** (df["log10_excess_mean"] - k * df["log10_excess_sd"])
-        df["hi"] = 10 ** (df["log10_excess_mean"] + k * df["log10_excess_sd"]) - df["y"]
+        mean, sd = df[f"log10_{y}_mean"], df[f"log10_{y}_sd"]
+        df["y"] = 10**mean
+        df["lo"] = df["y"] - 10 ** (mean - k * sd)
+        df["hi"] = 10 ** (mean + k * sd) - df["y"]
     else:
-        df["y"] = df["excess_risk_mean"]
-        df["lo"] = df["hi"] = k * df["excess_risk_sd"]
+        df["y"] = df[f"{y}_mean"]
+        df["lo"] = df["hi"] = k * df[f"{y}_sd"]
         if spec.yscale == "log":  # a bar below zero cannot be drawn on a log axis
             df["lo"] = np.minimum(df["lo"], df["y"] * (1 - 1e-3))
-    panels = sorted(df["method"].unique()) if spec.facet == "method" else [None]
+    df["series"] = [_series(r, labels) for _, r in df.iterrows()]
+    facet = spec.facet if spec.facet not in (None, "none") else None
+    panels = sorted(df[facet].unique()) if facet else [None]
     fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4.2), squeeze=False)
-    palette = sns.color_palette("viridis", df[hue].nunique()) if hue else sns.color_palette("tab10")
+    key = hue or "series"
+    palette = sns.color_palette("viridis" if hue else "tab10", df[key].nunique())
+    colors = dict(zip(sorted(df[key].unique()), palette))
     for ax, panel in zip(axes[0], panels):
-        sub = df if panel is None else df[df["method"] == panel]
-        groups = sub.groupby(hue) if hue else sub.groupby("method")
-        for color, (key, g) in zip(palette, groups):
+        sub = df if panel is None else df[df[facet] == panel]
+        for value, g in sub.groupby(key):
             g = g.sort_values(x)
-            label = f"{hue} = {key:g}" if hue else labels.get(key, key)
-            ax.errorbar(g[x], g["y"], yerr=[g["lo"], g["hi"]], marker="o", ms=4, capsize=3, label=label, color=color)
+            label = f"{hue} = {value:g}" if hue else value
+            ax.errorbar(g[x], g["y"], yerr=[g["lo"], g["hi"]], marker="o", ms=4, capsize=3, label=label,
+                        color=colors[value])
         ax.set_xlabel(x)
-        ax.set_ylabel("excess risk vs ridge")
+        ax.set_ylabel(y.replace("_", " ") + (" vs ridge" if y == "excess_risk" else ""))
         ax.set_yscale(spec.yscale)
-        ax.set_title(labels.get(panel, panel) if panel else (spec.title or ""))
+        if panel is None:
+            ax.set_title(spec.title or "")
+        else:
+            ax.set_title(labels.get(panel, panel) if facet == "method" else f"{facet} = {panel:g}")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     if spec.title and panels != [None]:

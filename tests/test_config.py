@@ -43,6 +43,21 @@ def test_user_values_override_rules(cfg_for):
     assert (c.C, c.G, c.R, c.eta0, c.T) == (3.0, 0.5, 2.0, 0.01, (7,))
 
 
+@pytest.mark.parametrize("experiment,grid", [
+    ("fig1_lowdim", {"regime.N": 7, "privacy.eps": 5}),
+    ("fig2_highdim", {"regime.N": 6, "privacy.eps": 5}),
+    ("fig3_overparam", {}),
+    ("fig4_robustness", {"attack.c": 2, "attack.p": 6}),
+    ("table1_dpridge", {"regime.N": 3, "privacy.eps": 2}),
+])
+def test_each_preset_sweeps_exactly_its_papers_grid(cfg_for, experiment, grid):
+    cfg = cfg_for(f"experiment={experiment}", hydra=True)
+    params = cfg.hydra.sweeper.params or {}
+    assert {k: len(str(v).split(",")) for k, v in params.items()} == grid
+    assert cfg.trials == 500
+    config.validate(cfg)
+
+
 def test_regimes_carry_the_papers_grids(cfg_for):
     low = cfg_for("regime=lowdim", hydra=True).hydra.sweeper.params
     assert low["regime.N"] == "1000,1500,2000,2500,3000,3500,4000"

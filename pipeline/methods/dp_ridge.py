@@ -44,14 +44,14 @@ def noise_std(spec, const, mu: float, *, eps: float, delta: float) -> float:
     return privacy.gaussian_std(sensitivity=sensitivity(spec, const, mu), eps=eps, delta=delta)
 
 
-def fit(problem, const, cfg, spec) -> Fit:
+def fit(problem, const, cfg, spec, stream: str = "") -> Fit:
     eps, delta = float(cfg.privacy.eps), float(cfg.privacy.delta)
     mu = ridge.penalty(const.lam, cfg.oracle)
     std = noise_std(spec, const, mu, eps=eps, delta=delta)
     parts = []
     for i, sl in chunks(problem.trials, cfg.compute.chunk_trials, spec.estimator):
         gamma = ridge.solve(problem.private[sl], mu)
-        noise = rng.randn(gamma.shape, rng.generator(cfg.seed, f"noise:{spec.calibration}-ridge", i), gamma.dtype)
+        noise = rng.randn(gamma.shape, rng.generator(cfg.seed, f"noise:{spec.calibration}-ridge{stream}", i), gamma.dtype)
         parts.append(gamma + std * noise)
     params = {"calibration": spec.calibration, "penalty": mu, "sensitivity": sensitivity(spec, const, mu),
               "noise_std": f"{std:.6g}"}

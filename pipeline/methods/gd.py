@@ -13,7 +13,8 @@ from pipeline.methods.descent import Quadratic, descend, initial_gamma, run
 PRIVATE = False
 
 
-def fit(problem, const, cfg, spec=None) -> Fit:
+def fit(problem, const, cfg, spec=None, stream: str = "") -> Fit:
+    """Deterministic given the data (and the shared start): ``stream`` is not used."""
     B, N, D = problem.train.shape
     dtype = problem.train.q.dtype
     step = dict(lam=const.lam, eta0=const.eta0, T=const.T)

@@ -19,7 +19,9 @@ from pipeline.methods.descent import Quadratic, descend, initial_gamma, run
 PRIVATE = True
 
 
-def fit(problem, const, cfg, spec=None) -> Fit:
+def fit(problem, const, cfg, spec=None, stream: str = "") -> Fit:
+    """``stream`` names the random streams of the start and the noise (a second, independent
+    run on the same data uses another)."""
     B, N, D = problem.private.shape
     dtype = problem.private.q.dtype
     eps, delta = float(cfg.privacy.eps), float(cfg.privacy.delta)
@@ -33,8 +35,8 @@ def fit(problem, const, cfg, spec=None) -> Fit:
     for i, sl in chunks(B, cfg.compute.chunk_trials, "noisyhead"):
         b = sl.stop - sl.start
         gamma0 = initial_gamma(trials=b, D=D, scale=const.init_scale, R=const.R,
-                               gen=rng.generator(cfg.seed, "init", i), dtype=dtype)
-        xi = rng.randn((b, T_max, D, D), rng.generator(cfg.seed, "noise:noisyhead", i), dtype)
+                               gen=rng.generator(cfg.seed, "init" + stream, i), dtype=dtype)
+        xi = rng.randn((b, T_max, D, D), rng.generator(cfg.seed, "noise:noisyhead" + stream, i), dtype)
         quad = Quadratic(problem.private[sl])
         parts.append(run(quad, gamma0, T=const.T, noise_std=stds, noise=xi, **step))
         if i == 0:  # the training-loss curve of the first trial, longest horizon

@@ -97,7 +97,8 @@ def solve_direct(feats: Features, mu: float) -> Tensor:
 PRIVATE = False
 
 
-def fit(problem, const, cfg, spec=None) -> Fit:
+def fit(problem, const, cfg, spec=None, stream: str = "") -> Fit:
+    """Deterministic given the data (and the shared start): ``stream`` is not used."""
     mu = penalty(const.lam, cfg.oracle)
     parts = [solve(problem.train[sl], mu) for _, sl in chunks(problem.trials, cfg.compute.chunk_trials, "ridge")]
     return Fit(gamma=torch.cat(parts).unsqueeze(1), private=False, params={"ridge_penalty": mu})
