@@ -35,8 +35,13 @@ def penalty(lam: float, oracle: str) -> float:
 def solve(feats: Features, mu: float, *, method: str = "auto", tol: float = 1e-13, max_iter: int = 200) -> Tensor:
     """argmin over Gamma of (1/2N) sum_k (<Gamma, Z_k> - y_k)^2 + (mu/2) ||Gamma||^2: (B, D, D).
 
-    ``method``: direct, cg, or auto (direct when it costs less than 50 CG iterations)."""
+    ``method``: direct, cg, auto (direct when it costs less than 50 CG iterations), or
+    normal_equations: a plain solve of the D^2 x D^2 normal equations of (2.7), which loses
+    accuracy with an outlying prompt (kept to show what that does to Figure 4)."""
     B, N, D = feats.shape
+    if method == "normal_equations":
+        A = feats.gram() + mu * torch.eye(D * D, dtype=feats.q.dtype)
+        return torch.linalg.solve(A, feats.moment().reshape(B, D * D, 1)).reshape(B, D, D)
     if method == "direct" or (method == "auto" and min(_primal_cost(N, D), _dual_cost(N, D)) <= 50 * 4 * N * D * D):
         return solve_direct(feats, mu)
     quad = Quadratic(feats, gram=False)
@@ -97,8 +102,16 @@ def solve_direct(feats: Features, mu: float) -> Tensor:
 PRIVATE = False
 
 
+def check(spec, cfg) -> str | None:
+    solvers = ("auto", "direct", "cg", "normal_equations")
+    if spec.get("solver", "auto") not in solvers:
+        return f"solver must be one of {solvers}, got {spec.solver!r}"
+    return None
+
+
 def fit(problem, const, cfg, spec=None, stream: str = "") -> Fit:
     """Deterministic given the data (and the shared start): ``stream`` is not used."""
     mu = penalty(const.lam, cfg.oracle)
-    parts = [solve(problem.train[sl], mu) for _, sl in chunks(problem.trials, cfg.compute.chunk_trials, "ridge")]
-    return Fit(gamma=torch.cat(parts).unsqueeze(1), private=False, params={"ridge_penalty": mu})
+    method = spec.get("solver", "auto") if spec is not None else "auto"
+    parts = [solve(problem.train[sl], mu, method=method) for _, sl in chunks(problem.trials, cfg.compute.chunk_trials, "ridge")]
+    return Fit(gamma=torch.cat(parts).unsqueeze(1), private=False, params={"penalty": mu, "solver": method})
