@@ -48,6 +48,7 @@ def test_user_values_override_rules(cfg_for):
     ("fig2_highdim", {"regime.N": 6, "privacy.eps": 5}),
     ("fig3_overparam", {}),
     ("fig4_robustness", {"attack.c": 2, "attack.p": 6}),
+    ("fig5_dpsgd", {"regime.N": 7, "privacy.eps": 5}),
     ("table1_dpridge", {"regime.N": 3, "privacy.eps": 2}),
 ])
 def test_each_preset_sweeps_exactly_its_papers_grid(cfg_for, experiment, grid):
