@@ -69,7 +69,7 @@ def run(cfg: DictConfig) -> Path:
         out.mkdir(parents=True, exist_ok=True)
         csv = out / "results.csv"
         results.to_csv(csv, index=False)
-        fig = plot.figure(results, cfg.plot, out / "excess_risk.png", labels=method_labels(cfg))
+        fig = plot.figure(results, cfg.plot, out / f"{cfg.plot.y}.png", labels=method_labels(cfg))
         mlflow.log_artifact(str(csv))
         mlflow.log_artifact(str(fig))
         tracking.log_metrics("cell", {"seconds": time.perf_counter() - start})

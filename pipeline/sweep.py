@@ -36,7 +36,7 @@ class SweepCallback(Callback):
         results = pd.concat(frames, ignore_index=True)
         csv = sweep_dir / "results.csv"
         results.to_csv(csv, index=False)
-        fig = plot.figure(results, config.plot, sweep_dir / "excess_risk.png", labels=cell.method_labels(config))
+        fig = plot.figure(results, config.plot, sweep_dir / f"{config.plot.y}.png", labels=cell.method_labels(config))
         artifacts = [str(csv), str(fig)]
         if config.report.table:
             spec = config.report.table

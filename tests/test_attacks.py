@@ -1,6 +1,5 @@
 """The perturbation attack of Section 5, and the risks it is measured by."""
 
-import dataclasses
 
 import pytest
 import torch
