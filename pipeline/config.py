@@ -136,8 +136,7 @@ def validate(cfg: DictConfig) -> Constants:
             raise ConfigError(f"method.{name}.estimator {spec.get('estimator')!r} is unknown; known: {sorted(ESTIMATORS)}")
     if "ridge" not in cfg.method or cfg.method.ridge.estimator != "ridge":
         raise ConfigError("method must include ridge: it is the oracle every excess risk is measured against")
-    if cfg.dataset.name != "synthetic":
-        raise ConfigError(f"dataset.name {cfg.dataset.name!r} is not supported yet (only 'synthetic')")
+    _check_dataset(cfg)
     const = derive(cfg.regime)
     _check_attack(cfg.attack, N=const.N)
     _check_privacy(cfg.privacy, T=const.T)
@@ -147,6 +146,32 @@ def validate(cfg: DictConfig) -> Constants:
         if problem:
             raise ConfigError(f"method.{name}: {problem}")
     return const
+
+
+def _check_dataset(cfg: DictConfig) -> None:
+    """The dataset is known and its files are there and readable (before any compute)."""
+    from pipeline.data import DATASETS
+
+    dataset = cfg.dataset
+    if dataset.name not in DATASETS:
+        raise ConfigError(f"dataset.name {dataset.name!r} is unknown; known: {sorted(DATASETS)}")
+    if dataset.name != "newsgroups":
+        return
+    from pipeline import newsgroups
+
+    if cfg.attack.name != "none":
+        raise ConfigError("attack: the perturbation attack needs dataset=synthetic (it perturbs drawn tokens)")
+    if dataset.D != cfg.regime.D:
+        raise ConfigError(f"dataset.D = {dataset.D} must equal regime.D = {cfg.regime.D}")
+    if dataset.vectorizer_fit not in newsgroups.SPLITS:
+        raise ConfigError(f"dataset.vectorizer_fit must be one of {newsgroups.SPLITS}, got {dataset.vectorizer_fit!r}")
+    try:
+        if dataset.features:
+            newsgroups.load(dataset.features, newsgroups.meta_of(dataset))
+        elif dataset.archive:
+            newsgroups.check_archive(dataset.archive)
+    except newsgroups.DataError as err:
+        raise ConfigError(str(err)) from err
 
 
 def _check_attack(cfg: DictConfig, *, N: int) -> None:

@@ -112,7 +112,8 @@ def _fill(out: Features, start: int, part: Features) -> None:
 _SLICE = 1 << 22  # numbers per generation slice (16 MB of float32)
 
 
-def synthetic(const: Constants, *, trials: int, n_test: int, seed: int, chunk: int, dtype, keep: int = 0) -> Problem:
+def synthetic(const: Constants, *, trials: int, n_test: int, seed: int, chunk: int, dtype, keep: int = 0,
+              dataset=None) -> Problem:
     """Chunks of trials are drawn on two threads (each chunk has its own random streams,
     so the numbers do not depend on the threading). ``keep`` > 0 also keeps the raw tokens of
     that many prompts per trial, chosen uniformly without replacement (stream "attack")."""
@@ -171,7 +172,69 @@ def _empty(*shape_and_D: int, dtype=torch.float32) -> Features:
                     torch.empty(*shape, dtype=dtype))
 
 
-DATASETS = {"synthetic": synthetic}
+def newsgroups(const: Constants, *, trials: int, n_test: int, seed: int, chunk: int, dtype, keep: int = 0,
+               dataset=None) -> Problem:
+    """Prompts of 20 Newsgroups articles (``pipeline/newsgroups.py``). Every trial draws a fresh
+    grouping: each prompt takes one newsgroup uniformly at random and L+1 of its articles
+    without replacement (the last is the query), training prompts from the train split and
+    test prompts from the test split. An article can serve several prompts of a trial (there
+    are 11,314 training articles for 822 x 31 places), so one article's privacy is that of
+    the prompts it appears in (group privacy)."""
+    from pipeline import newsgroups as ng
+
+    corpus = ng.articles(dataset)
+    N, L, D, C, G = const.N, const.L, const.D, const.C, const.G
+    if corpus.x["train"].shape[1] != D:
+        raise ValueError(f"the feature file has D = {corpus.x['train'].shape[1]}, the regime D = {D}")
+    out = {"train": _empty(trials, N, D, dtype=dtype), "clipped": _empty(trials, N, D, dtype=dtype),
+           "test": _empty(trials, n_test, D, dtype=dtype)}
+    n_clipped = 0
+    for i, start in enumerate(range(0, trials, chunk)):
+        b = min(chunk, trials - start)
+        rows = slice(start, start + b)
+        for split, name, n in (("train", "train", N), ("test", "test", n_test)):
+            gen = rng.generator(seed, f"grouping:{split}", i)
+            idx = _group_prompts(corpus.group[split], b, n, L + 1, gen)  # (b, n, L+1) article indices
+            x = torch.from_numpy(corpus.x[split]).float()[idx].transpose(-1, -2)  # tokens as columns
+            y = torch.from_numpy(corpus.y[split]).float()[idx]
+            raw = from_tokens(x, y)
+            for k in ("q", "v", "y"):
+                getattr(out[name], k)[rows] = getattr(raw, k)
+            if split == "train":
+                clip = from_tokens(x, y, clip=C)
+                for k in ("q", "v", "y"):
+                    getattr(out["clipped"], k)[rows] = getattr(clip, k)
+                n_clipped += int((y.abs() > C).sum())
+    train, clipped, test = out["train"], out["clipped"], out["test"]
+    return Problem(
+        train=train,
+        private=privatize(clipped, G),
+        test=test,
+        clip_fraction=n_clipped / (trials * N * (L + 1)),
+        projected_fraction=(clipped.norms() > G).double().mean().item(),
+        fingerprint=ng.fingerprint(corpus) + f":seed={seed}",
+    )
+
+
+def _group_prompts(groups, trials: int, n: int, size: int, gen) -> Tensor:
+    """(trials, n, size) article indices: per prompt a newsgroup uniformly at random, then
+    ``size`` of its articles without replacement."""
+    import numpy as np
+
+    labels = np.unique(groups)
+    members = [torch.from_numpy(np.flatnonzero(groups == g)) for g in labels]
+    choice = torch.randint(len(labels), (trials, n), generator=gen)
+    out = torch.empty(trials, n, size, dtype=torch.long)
+    for g, pool in enumerate(members):
+        where = choice == g
+        count = int(where.sum())
+        if count:
+            picks = torch.rand(count, len(pool), generator=gen).argsort(-1)[:, :size]
+            out[where] = pool[picks]
+    return out
+
+
+DATASETS = {"synthetic": synthetic, "newsgroups": newsgroups}
 
 _last: tuple[str, Problem] | None = None
 
@@ -203,7 +266,7 @@ def make_problem(cfg: DictConfig, const: Constants) -> Problem:
     _last = None  # free the previous problem before drawing the next
     problem = DATASETS[cfg.dataset.name](
         const, trials=cfg.trials, n_test=cfg.dataset.n_test, seed=cfg.seed,
-        chunk=cfg.compute.chunk_trials, dtype=dtype, keep=attack_prompts(cfg),
+        chunk=cfg.compute.chunk_trials, dtype=dtype, keep=attack_prompts(cfg), dataset=cfg.dataset,
     )
     _last = (key, problem)
     return problem

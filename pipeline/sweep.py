@@ -8,8 +8,10 @@ attached to.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
+import shutil
 import uuid
 from pathlib import Path
 from typing import Any
@@ -21,6 +23,25 @@ from omegaconf import DictConfig
 from pipeline import cell, plot, tracking
 
 log = logging.getLogger(__name__)
+
+
+def report(results: pd.DataFrame, config: DictConfig, artifacts: list[str]) -> None:
+    """Copy the sweep's files to ``report.dir`` under stable names, with a small metrics.json
+    (for ``dvc metrics show``): per plotted method, the smallest and largest mean of the
+    plotted measure across cells, and the number of cells and trials."""
+    out = Path(config.report.dir)
+    out.mkdir(parents=True, exist_ok=True)
+    for path in artifacts:
+        shutil.copyfile(path, out / Path(path).name)
+    y = config.plot.get("y", "excess_risk")
+    metrics = {"cells": int(results[["N", "eps", "attack_c", "attack_p"]].astype(str).drop_duplicates().shape[0]),
+               "trials": int(results["B"].iloc[0])}
+    for method, rows in results[results["method"].isin(list(config.plot.methods))].groupby("method"):
+        for coupling, sub in rows.groupby(rows["coupling"].fillna("")):
+            key = f"{method}{'_' + coupling if coupling else ''}_{y}_mean"
+            metrics[f"{key}_min"] = float(sub[f"{y}_mean"].min())
+            metrics[f"{key}_max"] = float(sub[f"{y}_mean"].max())
+    (out / "metrics.json").write_text(json.dumps(metrics, indent=2, sort_keys=True) + "\n")
 
 
 class SweepCallback(Callback):
@@ -46,6 +67,8 @@ class SweepCallback(Callback):
             (sweep_dir / "table.md").write_text(markdown)
             artifacts += [str(sweep_dir / "table.csv"), str(sweep_dir / "table.md")]
             log.info("table:\n%s", markdown)
+        if config.report.dir:
+            report(results, config, artifacts)
         tracking.setup(config)
         name = config.get("experiment_name") or f"sweep {config.regime.name}"
         tracking.finish_sweep(
