@@ -5,13 +5,15 @@
 - The cells of one Hydra sweep share the tag ``sweep``; when the sweep ends, a
   parent run holds the sweep's ``results.csv`` and figure, and the cells are
   attached to it (``mlflow.parentRunId``), so the UI shows them side by side.
-- A run that raises is ended as FAILED (KILLED on Ctrl-C): none is left RUNNING.
+- A run that raises is ended as FAILED (KILLED on Ctrl-C or SIGTERM): none is left RUNNING.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import signal
+import threading
 import time
 from typing import Iterator, Mapping
 
@@ -30,9 +32,15 @@ def setup(cfg: DictConfig) -> None:
     mlflow.set_experiment(cfg.mlflow.experiment)
 
 
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
 @contextlib.contextmanager
 def run(name: str, tags: Mapping[str, str]) -> Iterator[mlflow.ActiveRun]:
+    """An MLflow run that ends FINISHED, FAILED on an exception, or KILLED on Ctrl-C or SIGTERM."""
     active = mlflow.start_run(run_name=name, tags=dict(tags))
+    previous = signal.signal(signal.SIGTERM, _interrupt) if threading.current_thread() is threading.main_thread() else None
     try:
         yield active
     except KeyboardInterrupt:
@@ -41,6 +49,9 @@ def run(name: str, tags: Mapping[str, str]) -> Iterator[mlflow.ActiveRun]:
     except BaseException:
         mlflow.end_run(RunStatus.to_string(RunStatus.FAILED))
         raise
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
     mlflow.end_run(RunStatus.to_string(RunStatus.FINISHED))
 
 

@@ -100,3 +100,30 @@ def test_table_sweep_writes_csv_and_markdown(run_cli):
     parent = next(r for r in found if r.data.tags.get("kind") == "sweep")
     client = mlflow.MlflowClient(tracking_uri=run_cli.store)
     assert {"table.md", "table.csv"} <= {a.path for a in client.list_artifacts(parent.info.run_id)}
+
+
+def test_a_terminated_run_is_marked_killed(run_cli):
+    """SIGTERM in the middle of a cell ends its MLflow run as KILLED, not RUNNING."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from conftest import ROOT
+
+    cmd = [sys.executable, "-m", "pipeline", f"mlflow.tracking_uri={run_cli.store}",
+           f"hydra.run.dir={run_cli.tmp / 'run'}", "regime=overparam", "trials=400"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 120
+    while time.time() < deadline and proc.poll() is None:  # wait until the cell's run exists
+        time.sleep(0.5)
+        try:
+            if runs(run_cli.store)[1]:
+                break
+        except Exception:  # the store is still being created
+            continue
+    os.kill(proc.pid, signal.SIGTERM)
+    proc.wait(timeout=60)
+    _, found = runs(run_cli.store)
+    assert len(found) == 1 and found[0].info.status == "KILLED"
