@@ -202,7 +202,7 @@ def _check_privacy(cfg: DictConfig, *, T: tuple[int, ...]) -> None:
     if cfg.accountant not in privacy.ACCOUNTANTS:
         raise ConfigError(f"privacy.accountant {cfg.accountant!r} is unknown; known: {list(privacy.ACCOUNTANTS)}")
     short = [t for t in T if eps / t >= 1]
-    if short:
+    if short and cfg.accountant == "basic":
         raise ConfigError(
             f"privacy.eps = {eps} with T = {short[0]} gives a per-step eps of {eps / short[0]:.3g}; "
             "the basic accountant's Gaussian calibration is only proven for per-step eps < 1"

@@ -39,16 +39,58 @@ def gaussian_std(*, sensitivity: float, eps: float, delta: float) -> float:
     return sensitivity * math.sqrt(2 * math.log(1.25 / delta)) / eps
 
 
-def noisyhead_step_std(*, eta0: float, sigma: float, N: int, T: int, eps: float, delta: float) -> float:
-    """Per-step noise std of Algorithm 1 under basic composition.
+def noisyhead_step_std(*, eta0: float, sigma: float, N: int, T: int, eps: float, delta: float,
+                       accountant: str = "basic") -> float:
+    """Per-step noise std of Algorithm 1.
 
-    Each of the T steps is the Gaussian mechanism at (eps / T, delta / T), so the
-    T-fold composition is (eps, delta)-DP; this is the paper's
+    ``basic`` (the paper): each of the T steps is the Gaussian mechanism at (eps / T, delta / T),
+    so the T-fold composition is (eps, delta)-DP:
     s^2 = 2 eta0^2 T^2 sigma^2 log(1.25 T / delta) / (eps^2 N^2).
+    ``tight``: T full-batch Gaussian steps of sensitivity Delta and std s compose to one
+    Gaussian mechanism with noise multiplier s / (Delta sqrt(T)); s is the smallest for which
+    that is (eps, delta)-DP, found with dp-accounting's PLD accountant (``tight_multiplier``).
     """
-    return gaussian_std(
-        sensitivity=step_sensitivity(eta0=eta0, sigma=sigma, N=N), eps=eps / T, delta=delta / T
+    Delta = step_sensitivity(eta0=eta0, sigma=sigma, N=N)
+    if accountant == "tight":
+        return Delta * tight_multiplier(T=T, eps=eps, delta=delta)
+    return gaussian_std(sensitivity=Delta, eps=eps / T, delta=delta / T)
+
+
+def _composed_gaussian(z: float, T: int):
+    import dp_accounting
+
+    return dp_accounting.SelfComposedDpEvent(dp_accounting.GaussianDpEvent(z), T)
+
+
+def tight_multiplier(*, T: int, eps: float, delta: float) -> float:
+    """The per-step noise multiplier z (std / sensitivity) for which T composed Gaussian steps
+    are (eps, delta)-DP, by dp-accounting's calibration with its PLD accountant."""
+    import dp_accounting
+    from dp_accounting.pld import pld_privacy_accountant
+
+    return dp_accounting.calibrate_dp_mechanism(
+        pld_privacy_accountant.PLDAccountant, lambda z: _composed_gaussian(z, T), eps, delta,
     )
+
+
+def spent_epsilon(*, multiplier: float, T: int, delta: float) -> float:
+    """The eps, at delta, of T composed Gaussian steps with noise multiplier ``multiplier``,
+    by dp-accounting's PLD accountant: what a NoisyHead run actually spends."""
+    from dp_accounting.pld import pld_privacy_accountant
+
+    accountant = pld_privacy_accountant.PLDAccountant()
+    accountant.compose(_composed_gaussian(multiplier, T))
+    return accountant.get_epsilon(delta)
+
+
+def gaussian_delta(*, mu: float, eps: float) -> float:
+    """delta(eps) of a Gaussian mechanism with sensitivity / std = mu, exactly (Balle and Wang
+    2018): Phi(-eps / mu + mu / 2) - e^eps Phi(-eps / mu - mu / 2). Used by the tests to check
+    the accountant-based calibration independently."""
+    from statistics import NormalDist
+
+    Phi = NormalDist().cdf
+    return Phi(-eps / mu + mu / 2) - math.exp(eps) * Phi(-eps / mu - mu / 2)
 
 
 def ridge_sensitivity(*, C: float, G: float, lam: float, N: int) -> float:
@@ -86,4 +128,4 @@ def ridge_std_printed(*, C: float, G: float, lam: float, N: int, eps: float, del
     return ridge_sensitivity_printed(C=C, G=G, lam=lam, N=N) * math.sqrt(math.log(1.25 / delta)) / eps
 
 
-ACCOUNTANTS = ("basic",)  # basic: each of the T steps at (eps/T, delta/T)
+ACCOUNTANTS = ("basic", "tight")  # basic: each step at (eps/T, delta/T); tight: the exact composition

@@ -94,6 +94,7 @@ def test_bad_values_are_refused_naming_the_key(cfg_for, override, key):
 def test_basic_composition_needs_per_step_eps_below_one(cfg_for):
     with pytest.raises(ConfigError, match="per-step eps"):
         config.validate(cfg_for("privacy.eps=3", "regime.T=2"))
+    config.validate(cfg_for("privacy.eps=3", "regime.T=2", "privacy.accountant=tight"))  # no such limit
 
 
 def test_unknown_keys_and_options_are_refused_by_composition(cfg_for):

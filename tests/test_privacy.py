@@ -2,6 +2,7 @@
 
 import math
 
+import pytest
 import torch
 
 from pipeline import privacy, rng
@@ -140,3 +141,25 @@ def test_output_perturbed_ridge_noise_calibrations():
     sens = privacy.ridge_sensitivity(C=4.5, G=1.4, lam=mu, N=2000)
     assert math.isclose(derived, sens * math.sqrt(2 * math.log(1.25 / delta)) / eps)
     assert derived > 2 * printed
+
+
+@pytest.mark.parametrize("T,eps,delta", [(1, 0.5, 1e-5), (44, 0.2, 1e-5), (481, 0.8, 1e-5), (8, 0.5, 1e-2)])
+def test_tight_calibration_meets_the_budget_exactly(T, eps, delta):
+    """The T composed Gaussian steps are one Gaussian mechanism with sensitivity/std
+    mu = sqrt(T) / z; its exact delta(eps) (Balle and Wang) must not exceed the target, and
+    the calibration must not waste budget."""
+    z = privacy.tight_multiplier(T=T, eps=eps, delta=delta)
+    exact = privacy.gaussian_delta(mu=math.sqrt(T) / z, eps=eps)
+    assert exact <= delta * (1 + 1e-3)
+    assert exact >= 0.9 * delta
+    assert privacy.spent_epsilon(multiplier=z, T=T, delta=delta) == pytest.approx(eps, rel=1e-3)
+
+
+def test_basic_composition_is_private_and_looser_than_tight():
+    eta0, sigma, N, T, eps, delta = 0.0649, 106.1, 1000, 44, 0.2, 1e-5
+    Delta = privacy.step_sensitivity(eta0=eta0, sigma=sigma, N=N)
+    basic = privacy.noisyhead_step_std(eta0=eta0, sigma=sigma, N=N, T=T, eps=eps, delta=delta)
+    tight = privacy.noisyhead_step_std(eta0=eta0, sigma=sigma, N=N, T=T, eps=eps, delta=delta, accountant="tight")
+    assert tight < basic / 10  # the paper's calibration adds over ten times the noise it needs here
+    assert privacy.gaussian_delta(mu=math.sqrt(T) * Delta / basic, eps=eps) <= delta
+    assert privacy.spent_epsilon(multiplier=basic / Delta, T=T, delta=delta) < eps / 10  # 0.014 of 0.2

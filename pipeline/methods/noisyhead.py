@@ -4,7 +4,9 @@ Privacy: each update's l2-sensitivity is eta0 sigma / N with sigma = 2 G (C + R 
 (``privacy.noisyhead_sensitivity``), guaranteed by the clipped, projected features
 of ``Problem.private`` and the projection Pi_R of every iterate. The Gaussian noise
 z_t = s xi_t ~ N(0, s^2 I) is drawn here (xi) and added in ``descent``, with s from
-``privacy.noisyhead_step_std`` (basic composition over the T steps).
+``privacy.noisyhead_step_std`` (``privacy.accountant``: basic composition over the T steps, as
+in the paper, or the tight composition of the T Gaussian steps). The eps that dp-accounting's
+PLD accountant gives for the noise actually used is logged as ``spent_eps``.
 """
 
 from __future__ import annotations
@@ -25,10 +27,14 @@ def fit(problem, const, cfg, spec=None, stream: str = "") -> Fit:
     B, N, D = problem.private.shape
     dtype = problem.private.q.dtype
     eps, delta = float(cfg.privacy.eps), float(cfg.privacy.delta)
+    accountant = cfg.privacy.accountant
     stds = tuple(
-        privacy.noisyhead_step_std(eta0=const.eta0, sigma=const.sigma, N=N, T=T, eps=eps, delta=delta)
+        privacy.noisyhead_step_std(eta0=const.eta0, sigma=const.sigma, N=N, T=T, eps=eps, delta=delta,
+                                   accountant=accountant)
         for T in const.T
     )
+    Delta = privacy.step_sensitivity(eta0=const.eta0, sigma=const.sigma, N=N)
+    spent = [privacy.spent_epsilon(multiplier=s / Delta, T=T, delta=delta) for s, T in zip(stds, const.T)]
     T_max = max(const.T)
     step = dict(lam=const.lam, eta0=const.eta0, radius=const.R)
     parts, trace = [], []
@@ -48,7 +54,9 @@ def fit(problem, const, cfg, spec=None, stream: str = "") -> Fit:
         "sigma": const.sigma,
         "step_sensitivity": privacy.step_sensitivity(eta0=const.eta0, sigma=const.sigma, N=N),
         "noise_std": ",".join(f"{s:.6g}" for s in stds),
-        "step_eps": ",".join(f"{eps / T:.6g}" for T in const.T),
-        "step_delta": ",".join(f"{delta / T:.6g}" for T in const.T),
+        "spent_eps": ",".join(f"{e:.6g}" for e in spent),  # the PLD accountant's eps at delta for this noise
     }
+    if accountant == "basic":
+        params |= {"step_eps": ",".join(f"{eps / T:.6g}" for T in const.T),
+                   "step_delta": ",".join(f"{delta / T:.6g}" for T in const.T)}
     return Fit(gamma=torch.cat(parts), private=True, params=params, trace=trace)
