@@ -141,27 +141,33 @@ def synthetic(const: Constants, *, trials: int, n_test: int, seed: int, chunk: i
         with ThreadPoolExecutor(max(1, min(threads, n_chunks))) as pool:
             drawn = pool.map(draw, range(n_chunks))
             for i, parts in enumerate(tqdm(drawn, total=n_chunks, desc="data", leave=False, disable=None)):
-                rows = slice(i * chunk, i * chunk + parts[0].q.shape[0])
                 for name, part in zip(out, parts):
-                    for k in ("q", "v", "y"):
-                        getattr(out[name], k)[rows] = getattr(part, k)
+                    _fill(out[name], i * chunk, part)
                 n_clipped += parts[3]
                 kept.append(parts[4])
     finally:
         torch.set_num_threads(threads)
-    train, clipped, test = out["train"], out["clipped"], out["test"]
     digest = hashlib.sha256()
-    for t in (train.q, train.v, train.y, test.q, test.v, test.y):
-        digest.update(t.numpy().data)
+    for part in (out["train"], out["test"]):
+        for t in (part.q, part.v, part.y):
+            digest.update(t.numpy().data)
+    kept = Tokens(torch.cat([k[0] for k in kept]), torch.cat([k[1][0] for k in kept]).to(dtype),
+                  torch.cat([k[1][1] for k in kept]).to(dtype)) if keep else None
+    return _problem(out, G=G, clipped_share=n_clipped / (trials * N * (L + 1)),
+                    fingerprint=digest.hexdigest()[:16], kept=kept)
+
+
+def _problem(out: dict[str, Features], *, G: float, clipped_share: float, fingerprint: str,
+             kept: Tokens | None = None) -> Problem:
+    """The problem from its raw, clipped and test features: the private view projects at G."""
     return Problem(
-        train=train,
-        private=privatize(clipped, G),
-        test=test,
-        clip_fraction=n_clipped / (trials * N * (L + 1)),
-        projected_fraction=(clipped.norms() > G).double().mean().item(),
-        fingerprint=digest.hexdigest()[:16],
-        kept=Tokens(torch.cat([k[0] for k in kept]), torch.cat([k[1][0] for k in kept]).to(dtype),
-                    torch.cat([k[1][1] for k in kept]).to(dtype)) if keep else None,
+        train=out["train"],
+        private=privatize(out["clipped"], G),
+        test=out["test"],
+        clip_fraction=clipped_share,
+        projected_fraction=(out["clipped"].norms() > G).double().mean().item(),
+        fingerprint=fingerprint,
+        kept=kept,
     )
 
 
@@ -191,29 +197,17 @@ def newsgroups(const: Constants, *, trials: int, n_test: int, seed: int, chunk: 
     n_clipped = 0
     for i, start in enumerate(range(0, trials, chunk)):
         b = min(chunk, trials - start)
-        rows = slice(start, start + b)
         for split, name, n in (("train", "train", N), ("test", "test", n_test)):
             gen = rng.generator(seed, f"grouping:{split}", i)
             idx = _group_prompts(corpus.group[split], b, n, L + 1, gen)  # (b, n, L+1) article indices
             x = torch.from_numpy(corpus.x[split]).float()[idx].transpose(-1, -2)  # tokens as columns
             y = torch.from_numpy(corpus.y[split]).float()[idx]
-            raw = from_tokens(x, y)
-            for k in ("q", "v", "y"):
-                getattr(out[name], k)[rows] = getattr(raw, k)
+            _fill(out[name], start, from_tokens(x, y))
             if split == "train":
-                clip = from_tokens(x, y, clip=C)
-                for k in ("q", "v", "y"):
-                    getattr(out["clipped"], k)[rows] = getattr(clip, k)
+                _fill(out["clipped"], start, from_tokens(x, y, clip=C))
                 n_clipped += int((y.abs() > C).sum())
-    train, clipped, test = out["train"], out["clipped"], out["test"]
-    return Problem(
-        train=train,
-        private=privatize(clipped, G),
-        test=test,
-        clip_fraction=n_clipped / (trials * N * (L + 1)),
-        projected_fraction=(clipped.norms() > G).double().mean().item(),
-        fingerprint=ng.fingerprint(corpus) + f":seed={seed}",
-    )
+    return _problem(out, G=G, clipped_share=n_clipped / (trials * N * (L + 1)),
+                    fingerprint=ng.fingerprint(corpus) + f":seed={seed}")
 
 
 def _group_prompts(groups, trials: int, n: int, size: int, gen) -> Tensor:
