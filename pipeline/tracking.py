@@ -38,21 +38,25 @@ def _interrupt(signum, frame):
 
 @contextlib.contextmanager
 def run(name: str, tags: Mapping[str, str]) -> Iterator[mlflow.ActiveRun]:
-    """An MLflow run that ends FINISHED, FAILED on an exception, or KILLED on Ctrl-C or SIGTERM."""
-    active = mlflow.start_run(run_name=name, tags=dict(tags))
-    previous = signal.signal(signal.SIGTERM, _interrupt) if threading.current_thread() is threading.main_thread() else None
+    """An MLflow run that ends FINISHED, FAILED on an exception, or KILLED on Ctrl-C or SIGTERM
+    (SIGTERM is turned into KeyboardInterrupt from before the run is created until it ends)."""
+    main = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, _interrupt) if main else None
     try:
-        yield active
+        yield mlflow.start_run(run_name=name, tags=dict(tags))
     except KeyboardInterrupt:
-        mlflow.end_run(RunStatus.to_string(RunStatus.KILLED))
+        if mlflow.active_run() is not None:
+            mlflow.end_run(RunStatus.to_string(RunStatus.KILLED))
         raise
     except BaseException:
-        mlflow.end_run(RunStatus.to_string(RunStatus.FAILED))
+        if mlflow.active_run() is not None:
+            mlflow.end_run(RunStatus.to_string(RunStatus.FAILED))
         raise
+    else:
+        mlflow.end_run(RunStatus.to_string(RunStatus.FINISHED))
     finally:
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)
-    mlflow.end_run(RunStatus.to_string(RunStatus.FINISHED))
 
 
 def sweep_id() -> str | None:

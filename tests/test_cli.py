@@ -116,10 +116,11 @@ def test_a_terminated_run_is_marked_killed(run_cli):
            f"hydra.run.dir={run_cli.tmp / 'run'}", "regime=overparam", "trials=400"]
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.time() + 120
-    while time.time() < deadline and proc.poll() is None:  # wait until the cell's run exists
+    while time.time() < deadline and proc.poll() is None:  # wait until the cell is inside its run
         time.sleep(0.5)
         try:
-            if runs(run_cli.store)[1]:
+            found = runs(run_cli.store)[1]
+            if found and "data.seed" in found[0].data.params:
                 break
         except Exception:  # the store is still being created
             continue
