@@ -35,22 +35,20 @@ COLUMNS = [
 ]
 
 
+def _per_trial(measure, trials: int, chunk: int) -> Tensor:
+    """measure(slice of trials) -> (b, M), over chunks of trials: (B, M)."""
+    return torch.cat([measure(slice(start, start + chunk)) for start in range(0, trials, chunk)])
+
+
 def gap(a: Tensor, b: Tensor, test: Features, chunk: int) -> Tensor:
     """Per trial (1/n_test) sum_k <a_m - b, Z_test_k>^2 for a (B, M, D, D), b (B, M or 1, D, D): (B, M)."""
-    out = []
-    for start in range(0, a.shape[0], chunk):
-        sl = slice(start, start + chunk)
-        out.append((test[sl].inner(a[sl]) - test[sl].inner(b[sl])).square().mean(-1))
-    return torch.cat(out)
+    return _per_trial(lambda sl: (test[sl].inner(a[sl]) - test[sl].inner(b[sl])).square().mean(-1), a.shape[0], chunk)
 
 
 def test_mse(gamma: Tensor, test: Features, chunk: int) -> Tensor:
     """Per trial (1/n_test) sum_k (y_k - <gamma_m, Z_test_k>)^2: (B, M)."""
-    out = []
-    for start in range(0, gamma.shape[0], chunk):
-        sl = slice(start, start + chunk)
-        out.append((test[sl].inner(gamma[sl]) - test[sl].y.unsqueeze(1)).square().mean(-1))
-    return torch.cat(out)
+    return _per_trial(lambda sl: (test[sl].inner(gamma[sl]) - test[sl].y.unsqueeze(1)).square().mean(-1),
+                      gamma.shape[0], chunk)
 
 
 def summarize(values: Tensor, level: float, name: str) -> dict[str, float]:

@@ -128,4 +128,30 @@ def ridge_std_printed(*, C: float, G: float, lam: float, N: int, eps: float, del
     return ridge_sensitivity_printed(C=C, G=G, lam=lam, N=N) * math.sqrt(math.log(1.25 / delta)) / eps
 
 
+def dpsgd_noise_multiplier(*, eps: float, delta: float, sample_rate: float, steps: int, accountant: str) -> float:
+    """DP-SGD: Opacus's accountant's smallest noise multiplier (to its tolerance) for which T steps of
+    the Poisson-subsampled Gaussian mechanism at ``sample_rate`` meet (eps, delta)."""
+    import warnings
+
+    from opacus.accountants.utils import get_noise_multiplier
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return get_noise_multiplier(target_epsilon=eps, target_delta=delta, sample_rate=sample_rate,
+                                    steps=steps, accountant=accountant)
+
+
+def dpsgd_spent_epsilon(*, sigma: float, delta: float, sample_rate: float, steps: int, accountant: str) -> float:
+    """DP-SGD: the eps Opacus's accountant reports for the run actually made."""
+    import warnings
+
+    from opacus.accountants.utils import create_accountant
+
+    acc = create_accountant(mechanism=accountant)
+    acc.history = [(sigma, sample_rate, steps)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return acc.get_epsilon(delta=delta)
+
+
 ACCOUNTANTS = ("basic", "tight")  # basic: each step at (eps/T, delta/T); tight: the exact composition

@@ -5,6 +5,7 @@ import math
 import pytest
 import torch
 
+from pipeline import privacy
 from pipeline.features import Features
 from pipeline.methods import dpsgd
 
@@ -69,9 +70,9 @@ def test_batched_dpsgd_matches_opacus_on_the_same_batches_and_noise(monkeypatch)
 
 def test_noise_multiplier_meets_the_budget_by_opacus_accountant():
     for accountant in ("rdp", "prv"):
-        sigma = dpsgd.noise_multiplier(eps=0.5, delta=1e-5, sample_rate=0.256, steps=44, accountant=accountant)
-        spent = dpsgd.spent_epsilon(sigma=sigma, delta=1e-5, sample_rate=0.256, steps=44, accountant=accountant)
+        sigma = privacy.dpsgd_noise_multiplier(eps=0.5, delta=1e-5, sample_rate=0.256, steps=44, accountant=accountant)
+        spent = privacy.dpsgd_spent_epsilon(sigma=sigma, delta=1e-5, sample_rate=0.256, steps=44, accountant=accountant)
         assert spent <= 0.5
         assert spent > 0.45  # and not by a wide margin: the search is tight
-        less = dpsgd.spent_epsilon(sigma=0.9 * sigma, delta=1e-5, sample_rate=0.256, steps=44, accountant=accountant)
+        less = privacy.dpsgd_spent_epsilon(sigma=0.9 * sigma, delta=1e-5, sample_rate=0.256, steps=44, accountant=accountant)
         assert less > spent and math.isfinite(less)

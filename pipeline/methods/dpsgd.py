@@ -15,7 +15,8 @@ at G (C + R G), the bound NoisyHead's sensitivity rests on (it clips nothing whi
 ||Gamma|| <= R; DP-SGD does not project Gamma). The start is NoisyHead's Gamma^0.
 
 Privacy: the noise multiplier is what Opacus's accountant (``accountant``: rdp or prv)
-gives for (eps, delta) after T steps of the subsampled Gaussian mechanism at rate q.
+gives for (eps, delta) after T steps of the subsampled Gaussian mechanism at rate q
+(``privacy.dpsgd_noise_multiplier``).
 """
 
 from __future__ import annotations
@@ -23,38 +24,13 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from pipeline import rng
+from pipeline import privacy, rng
 from pipeline.features import Features
 from pipeline.methods.base import Fit, chunks
 from pipeline.methods.descent import initial_gamma
 
 PRIVATE = True
 OPACUS_EPS = 1e-6  # Opacus's clip factor is max_grad_norm / (norm + 1e-6)
-
-
-def noise_multiplier(*, eps: float, delta: float, sample_rate: float, steps: int, accountant: str) -> float:
-    """Opacus's accountant: the smallest noise multiplier (to its tolerance) meeting (eps, delta)."""
-    import warnings
-
-    from opacus.accountants.utils import get_noise_multiplier
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        return get_noise_multiplier(target_epsilon=eps, target_delta=delta, sample_rate=sample_rate,
-                                    steps=steps, accountant=accountant)
-
-
-def spent_epsilon(*, sigma: float, delta: float, sample_rate: float, steps: int, accountant: str) -> float:
-    """What the accountant reports for the run actually made."""
-    import warnings
-
-    from opacus.accountants.utils import create_accountant
-
-    acc = create_accountant(mechanism=accountant)
-    acc.history = [(sigma, sample_rate, steps)]
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        return acc.get_epsilon(delta=delta)
 
 
 def descend(feats: Features, gamma0: Tensor, *, lam: float, eta0: float, steps: int, sample_rate: float,
@@ -89,7 +65,7 @@ def fit(problem, const, cfg, spec, stream: str = "") -> Fit:
     eps, delta = float(cfg.privacy.eps), float(cfg.privacy.delta)
     q = min(1.0, spec.batch_size / N)
     clip = const.G * (const.C + const.R * const.G)
-    sigmas = [noise_multiplier(eps=eps, delta=delta, sample_rate=q, steps=T, accountant=spec.accountant)
+    sigmas = [privacy.dpsgd_noise_multiplier(eps=eps, delta=delta, sample_rate=q, steps=T, accountant=spec.accountant)
               for T in const.T]
     parts = []
     for i, sl in chunks(B, cfg.compute.chunk_trials, "dpsgd"):
@@ -104,7 +80,7 @@ def fit(problem, const, cfg, spec, stream: str = "") -> Fit:
             out.append(descend(problem.private[sl], gamma0, lam=const.lam, eta0=const.eta0, steps=T,
                                sample_rate=q, max_grad_norm=clip, sigma=sigma, masks=masks, noise=noise))
         parts.append(torch.stack(out, 1))
-    spent = [spent_epsilon(sigma=s, delta=delta, sample_rate=q, steps=T, accountant=spec.accountant)
+    spent = [privacy.dpsgd_spent_epsilon(sigma=s, delta=delta, sample_rate=q, steps=T, accountant=spec.accountant)
              for T, s in zip(const.T, sigmas)]
     params = {
         "accountant": spec.accountant, "batch_size": spec.batch_size, "sample_rate": q, "max_grad_norm": clip,
