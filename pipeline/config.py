@@ -139,10 +139,10 @@ def validate(cfg: DictConfig) -> Constants:
     _check_dataset(cfg)
     const = derive(cfg.regime)
     _check_attack(cfg.attack, N=const.N)
-    _check_privacy(cfg.privacy, T=const.T)
+    _check_privacy(cfg.privacy)
     for name, spec in cfg.method.items():
         check = getattr(ESTIMATORS[spec.estimator], "check", None)
-        problem = check(spec, cfg) if check else None
+        problem = check(spec, cfg, const) if check else None
         if problem:
             raise ConfigError(f"method.{name}: {problem}")
     return const
@@ -192,8 +192,9 @@ def _check_attack(cfg: DictConfig, *, N: int) -> None:
             raise ConfigError(f"attack.{key} must be a finite number, got {value!r}")
 
 
-def _check_privacy(cfg: DictConfig, *, T: tuple[int, ...]) -> None:
-    """Refuse a privacy config the calibration cannot honour."""
+def _check_privacy(cfg: DictConfig) -> None:
+    """Refuse a privacy budget no mechanism can be calibrated to (each private estimator's
+    ``check`` refuses what its own calibration cannot honour)."""
     eps, delta = cfg.eps, cfg.delta
     if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps > 0:
         raise ConfigError(f"privacy.eps must be a positive number, got {eps!r}")
@@ -201,9 +202,3 @@ def _check_privacy(cfg: DictConfig, *, T: tuple[int, ...]) -> None:
         raise ConfigError(f"privacy.delta must lie in (0, 1), got {delta!r}")
     if cfg.accountant not in privacy.ACCOUNTANTS:
         raise ConfigError(f"privacy.accountant {cfg.accountant!r} is unknown; known: {list(privacy.ACCOUNTANTS)}")
-    short = [t for t in T if eps / t >= 1]
-    if short and cfg.accountant == "basic":
-        raise ConfigError(
-            f"privacy.eps = {eps} with T = {short[0]} gives a per-step eps of {eps / short[0]:.3g}; "
-            "the basic accountant's Gaussian calibration is only proven for per-step eps < 1"
-        )

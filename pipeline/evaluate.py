@@ -88,7 +88,7 @@ def run(problem, fits: dict[str, Fit], const, cfg, attacked: dict[str, dict[str,
         couplings = attacked[name] if attacked is not None else {"": None}
         for coupling, bad in couplings.items():
             risk = gap(fit.gamma, bad.gamma, problem.test, chunk) if bad is not None else None
-            for i, T in enumerate(const.T):
+            for i, T in enumerate(fit.T or const.T):
                 j = i if fit.gamma.shape[1] > 1 else 0  # an estimate that does not depend on T serves every T
                 stats = summarize(excess[:, j], level, "excess_risk") | summarize(mse[:, j], level, "test_mse")
                 if risk is not None:
@@ -98,5 +98,5 @@ def run(problem, fits: dict[str, Fit], const, cfg, attacked: dict[str, dict[str,
                                     "noise_std": std} | stats)
                 key = name + (f".{coupling}" if coupling else "")
                 metrics = {f"{key}.{k}": v for k, v in stats.items() if not k.startswith("log10") and math.isfinite(v)}
-                tracking.log_metrics("evaluate", metrics, at=T if len(const.T) > 1 else None)
+                tracking.log_metrics("evaluate", metrics, at=T if len(fit.T or const.T) > 1 else None)
     return pd.DataFrame(rows, columns=COLUMNS)

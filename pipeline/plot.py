@@ -42,7 +42,8 @@ def figure(df: pd.DataFrame, spec: DictConfig, path: Path, labels: dict[str, str
     with +-k sd error bars; saved as PNG. ``labels`` names the methods."""
     labels = labels or {}
     y = spec.get("y", "excess_risk")
-    df = df[df["method"].isin(list(spec.methods))].copy()
+    methods = list(spec.methods) if spec.methods else [m for m in df["method"].unique() if m != "ridge"]
+    df = df[df["method"].isin(methods)].copy()
     df = df[df[f"{y}_mean"].notna()]
     x, hue = _auto(df, spec)
     k = float(spec.k_sd)

@@ -224,3 +224,24 @@ def test_features_from_tokens_follow_equation_2_5():
             Z = x[b, k, :, L].unsqueeze(1) * sum(yc[i] * x[b, k, :, i] for i in range(L)).unsqueeze(0) / L
             assert torch.allclose(f.q[b, k].unsqueeze(1) * f.v[b, k].unsqueeze(0), Z)
             assert f.y[b, k] == yc[L]
+
+
+def test_bound_horizon_minimises_theorem_4_1s_bound():
+    """For the tight accountant the bound rho^T R^2 + D Delta^2 z^2 T has the continuous minimiser
+    T* = log(R^2 log(1/rho) / (D Delta^2 z^2)) / log(1/rho); the rule returns floor or ceil of it,
+    and the basic accountant, whose noise grows faster in T, stops earlier."""
+    import math
+    from types import SimpleNamespace
+
+    from pipeline import privacy
+    from pipeline.methods import noisyhead
+
+    const = SimpleNamespace(N=1000, D=5, lam=5.0, eta0=0.0649, R=23.5, sigma=106.1)
+    eps, delta = 0.2, 1e-5
+    rho = 1 - const.eta0 * const.lam
+    v = privacy.step_sensitivity(eta0=const.eta0, sigma=const.sigma, N=const.N) ** 2 \
+        * privacy.gaussian_multiplier(eps=eps, delta=delta) ** 2
+    star = math.log(const.R**2 * math.log(1 / rho) / (const.D * v)) / math.log(1 / rho)
+    tight = noisyhead.bound_horizon(const, eps=eps, delta=delta, accountant="tight")
+    assert tight in (math.floor(star), math.ceil(star))
+    assert 1 <= noisyhead.bound_horizon(const, eps=eps, delta=delta, accountant="basic") < tight

@@ -137,10 +137,15 @@ def test_output_perturbed_ridge_noise_calibrations():
     eps, delta, mu = 0.2, 1e-5, 5.0
     printed = dp_ridge.noise_std(SimpleNamespace(calibration="paper"), const, mu, eps=eps, delta=delta)
     assert math.isclose(printed**2, 4.5**2 * 1.4**2 * math.log(1.25 / delta) / (mu**2 * 2000**2 * eps**2))
-    derived = dp_ridge.noise_std(SimpleNamespace(calibration="derived"), const, mu, eps=eps, delta=delta)
+    classic = dp_ridge.noise_std(SimpleNamespace(calibration="classic"), const, mu, eps=eps, delta=delta)
     sens = privacy.ridge_sensitivity(C=4.5, G=1.4, lam=mu, N=2000)
-    assert math.isclose(derived, sens * math.sqrt(2 * math.log(1.25 / delta)) / eps)
-    assert derived > 2 * printed
+    assert math.isclose(classic, sens * math.sqrt(2 * math.log(1.25 / delta)) / eps)
+    assert classic > 2 * printed
+    analytic = dp_ridge.noise_std(SimpleNamespace(calibration="analytic"), const, mu, eps=eps, delta=delta)
+    assert analytic < classic
+    assert privacy.gaussian_delta(mu=sens / analytic, eps=eps) <= delta * (1 + 1e-3)
+    halved = dp_ridge.noise_std(SimpleNamespace(calibration="analytic", noise_scale=0.5), const, mu, eps=eps, delta=delta)
+    assert halved == pytest.approx(analytic / 2)
 
 
 @pytest.mark.parametrize("T,eps,delta", [(1, 0.5, 1e-5), (44, 0.2, 1e-5), (481, 0.8, 1e-5), (8, 0.5, 1e-2)])
@@ -153,6 +158,23 @@ def test_tight_calibration_meets_the_budget_exactly(T, eps, delta):
     assert exact <= delta * (1 + 1e-3)
     assert exact >= 0.9 * delta
     assert privacy.spent_epsilon(multiplier=z, T=T, delta=delta) == pytest.approx(eps, rel=1e-3)
+
+
+@pytest.mark.parametrize("T", [1, 44])
+def test_tight_multiplier_agrees_with_dp_accountings_own_composition(T):
+    """sqrt(T) times the one-release multiplier (the closed form) against dp-accounting's
+    calibration of its own T-fold composition of the Gaussian event."""
+    import dp_accounting
+    from dp_accounting.pld import pld_privacy_accountant
+
+    eps, delta = 0.5, 1e-5
+    composed = dp_accounting.calibrate_dp_mechanism(
+        pld_privacy_accountant.PLDAccountant,
+        lambda z: dp_accounting.SelfComposedDpEvent(dp_accounting.GaussianDpEvent(z), T), eps, delta)
+    assert privacy.tight_multiplier(T=T, eps=eps, delta=delta) == pytest.approx(composed, rel=2e-3)
+    acc = pld_privacy_accountant.PLDAccountant()
+    acc.compose(dp_accounting.SelfComposedDpEvent(dp_accounting.GaussianDpEvent(composed), T))
+    assert privacy.spent_epsilon(multiplier=composed, T=T, delta=delta) == pytest.approx(acc.get_epsilon(delta), rel=2e-3)
 
 
 def test_basic_composition_is_private_and_looser_than_tight():

@@ -15,6 +15,7 @@ class Fit:
     private: bool
     params: dict[str, object] = field(default_factory=dict)  # hyperparameters and calibration to log
     trace: list[float] = field(default_factory=list)  # training objective per step, first trial
+    T: tuple[int, ...] | None = None  # the horizons of gamma's columns when they are not the regime's
 
 
 def chunks(trials: int, size: int, desc: str) -> Iterator[tuple[int, slice]]:

@@ -7,8 +7,10 @@ without noise the estimate is the oracle's on the private view; both sensitiviti
 evaluated at the mu actually used.
 
 The method's ``calibration`` setting picks s:
-- ``derived``: the classic Gaussian mechanism on the sensitivity proven in
-  ``privacy.ridge_sensitivity``; (eps, delta)-DP for eps < 1.
+- ``analytic``: the analytic Gaussian mechanism (``privacy.gaussian_multiplier``) on the sensitivity
+  proven in ``privacy.ridge_sensitivity``; (eps, delta)-DP for any eps > 0, and the least noise
+  that the sensitivity allows.
+- ``classic``: the classic Gaussian mechanism on the same sensitivity; (eps, delta)-DP for eps < 1.
 - ``paper``: the printed variance C^2 G^2 log(1.25/delta) / (lam^2 N^2 eps^2)
   (``privacy.ridge_std_printed``), kept to reproduce Table 1; it is not a proven guarantee.
 """
@@ -22,13 +24,14 @@ from pipeline.methods import ridge
 from pipeline.methods.base import Fit, chunks
 
 PRIVATE = True
+CALIBRATIONS = ("analytic", "classic", "paper")
 
 
-def check(spec, cfg) -> str | None:
+def check(spec, cfg, const) -> str | None:
     """What in the config this estimator cannot honour, or None."""
-    if spec.calibration not in ("derived", "paper"):
-        return f"calibration must be 'derived' or 'paper', got {spec.calibration!r}"
-    if spec.calibration == "derived" and not cfg.privacy.eps < 1:
+    if spec.calibration not in CALIBRATIONS:
+        return f"calibration must be one of {list(CALIBRATIONS)}, got {spec.calibration!r}"
+    if spec.calibration == "classic" and not cfg.privacy.eps < 1:
         return f"the classic Gaussian mechanism needs privacy.eps < 1, got {cfg.privacy.eps}"
     return None
 
@@ -39,9 +42,14 @@ def sensitivity(spec, const, mu: float) -> float:
 
 
 def noise_std(spec, const, mu: float, *, eps: float, delta: float) -> float:
+    """The calibrated std times the spec's ``noise_scale`` (1 unless deliberately under-noised)."""
+    scale = float(getattr(spec, "noise_scale", 1.0))
     if spec.calibration == "paper":
-        return privacy.ridge_std_printed(C=const.C, G=const.G, lam=mu, N=const.N, eps=eps, delta=delta)
-    return privacy.gaussian_std(sensitivity=sensitivity(spec, const, mu), eps=eps, delta=delta)
+        return scale * privacy.ridge_std_printed(C=const.C, G=const.G, lam=mu, N=const.N, eps=eps, delta=delta)
+    Delta = sensitivity(spec, const, mu)
+    if spec.calibration == "classic":
+        return scale * privacy.gaussian_std(sensitivity=Delta, eps=eps, delta=delta)
+    return scale * Delta * privacy.gaussian_multiplier(eps=eps, delta=delta)
 
 
 def fit(problem, const, cfg, spec, stream: str = "") -> Fit:

@@ -49,7 +49,7 @@ def descend(feats: Features, gamma0: Tensor, *, lam: float, eta0: float, steps: 
     return gamma.squeeze(1)
 
 
-def check(spec, cfg) -> str | None:
+def check(spec, cfg, const) -> str | None:
     if spec.accountant not in ("rdp", "prv"):
         return f"accountant must be 'rdp' or 'prv', got {spec.accountant!r}"
     if not spec.batch_size > 0:

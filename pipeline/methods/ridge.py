@@ -102,7 +102,7 @@ def solve_direct(feats: Features, mu: float) -> Tensor:
 PRIVATE = False
 
 
-def check(spec, cfg) -> str | None:
+def check(spec, cfg, const) -> str | None:
     solvers = ("auto", "direct", "cg", "normal_equations")
     if spec.get("solver", "auto") not in solvers:
         return f"solver must be one of {solvers}, got {spec.solver!r}"
