@@ -140,6 +140,25 @@ def ridge_std_printed(*, C: float, G: float, lam: float, N: int, eps: float, del
     return ridge_sensitivity_printed(C=C, G=G, lam=lam, N=N) * math.sqrt(math.log(1.25 / delta)) / eps
 
 
+def ssp_sensitivity(*, C: float, G: float) -> float:
+    """l2-sensitivity of the sufficient statistics (sum_k z_k z_k^T, sum_k y_k z_k), released together,
+    over z = vec(Z~) with ||z|| <= G and |y| <= C (clipped and projected), replace-one.
+
+    Replacing prompt (z, y) by (z', y') changes the pair by (z z^T - z' z'^T, y z - y' z'), with
+        ||z z^T - z' z'^T||_F^2 = |z|^4 + |z'|^4 - 2 (z.z')^2,
+        ||y z - y' z'||^2 <= C^2 (|z|^2 + |z'|^2 + 2 |z.z'|)   (|y| = |y'| = C, signs against z.z').
+    Both grow with |z| and |z'| (the constraint |z.z'| <= |z||z'| only loosens), so at the maximum
+    |z| = |z'| = G; with p = |z.z'| in [0, G^2] the squared change is 2 G^4 - 2 p^2 + 2 C^2 (G^2 + p),
+    a concave parabola with vertex p* = C^2 / 2. Hence
+        Delta = 2 C G                             if C^2 >= 2 G^2   (p = G^2: z' = -z, y' = y),
+        Delta^2 = 2 G^4 + 2 C^2 G^2 + C^4 / 2    otherwise          (z.z' = -C^2 / 2 with y' = y).
+    Both cases are attained, so the bound is exact.
+    """
+    if C**2 >= 2 * G**2:
+        return 2 * C * G
+    return math.sqrt(2 * G**4 + 2 * C**2 * G**2 + C**4 / 2)
+
+
 def dpsgd_noise_multiplier(*, eps: float, delta: float, sample_rate: float, steps: int, accountant: str) -> float:
     """DP-SGD: Opacus's accountant's smallest noise multiplier (to its tolerance) for which T steps of
     the Poisson-subsampled Gaussian mechanism at ``sample_rate`` meet (eps, delta)."""

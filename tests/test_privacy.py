@@ -185,3 +185,55 @@ def test_basic_composition_is_private_and_looser_than_tight():
     assert tight < basic / 10  # the paper's calibration adds over ten times the noise it needs here
     assert privacy.gaussian_delta(mu=math.sqrt(T) * Delta / basic, eps=eps) <= delta
     assert privacy.spent_epsilon(multiplier=basic / Delta, T=T, delta=delta) < eps / 10  # 0.014 of 0.2
+
+
+def _ssp_change(z, zp, y, yp):
+    """||(z z^T - z' z'^T, y z - y' z')|| for batches of pairs."""
+    gram = z.unsqueeze(-1) * z.unsqueeze(-2) - zp.unsqueeze(-1) * zp.unsqueeze(-2)
+    lin = y.unsqueeze(-1) * z - yp.unsqueeze(-1) * zp
+    return (gram.square().sum((-2, -1)) + lin.square().sum(-1)).sqrt()
+
+
+@pytest.mark.parametrize("C,G", [(4.5, 1.4), (1.0, 1.0), (0.3, 2.0)])
+def test_ssp_sensitivity_is_exact(C, G):
+    """No neighbouring pair found by gradient ascent exceeds the derived sensitivity, and the
+    pair the derivation names (|z| = |z'| = G, z.z' = -min(C^2/2, G^2), y = y' = C) attains it."""
+    gen = torch.Generator().manual_seed(1)
+    d = 4
+    raw = [torch.randn(512, d, generator=gen, dtype=torch.float64).requires_grad_() for _ in range(2)]
+    raw += [torch.randn(512, generator=gen, dtype=torch.float64).requires_grad_() for _ in range(2)]
+    opt = torch.optim.Adam(raw, lr=0.05)
+    best = 0.0
+    for _ in range(300):
+        z, zp = (G * r / r.norm(dim=-1, keepdim=True).clamp(min=1.0) for r in raw[:2])
+        y, yp = (C * torch.tanh(r) for r in raw[2:])
+        change = _ssp_change(z, zp, y, yp)
+        best = max(best, change.max().item())
+        opt.zero_grad()
+        (-change.sum()).backward()
+        opt.step()
+    bound = privacy.ssp_sensitivity(C=C, G=G)
+    assert best <= bound * (1 + 1e-9)
+    assert best >= 0.999 * bound
+    p = min(C**2 / 2, G**2)
+    z = torch.tensor([[G, 0.0, 0, 0]], dtype=torch.float64)
+    zp = torch.tensor([[-p / G, math.sqrt(G**2 - p**2 / G**2), 0, 0]], dtype=torch.float64)
+    named = _ssp_change(z, zp, torch.tensor([C], dtype=torch.float64), torch.tensor([C], dtype=torch.float64))
+    assert named.item() == pytest.approx(bound, rel=1e-12)
+
+
+def test_ssp_without_noise_is_the_ridge_solution_on_the_private_view(cfg_for):
+    """noise_scale = 0 removes the noise; what is left must be the oracle's system on the private view."""
+    from pipeline import config, data
+    from pipeline.methods import ridge, ssp
+
+    cfg = cfg_for("trials=6", "regime.N=200", "method=[ridge,ssp]", "method.ssp.noise_scale=0.0")
+    const = config.validate(cfg)
+    problem = data.make_problem(cfg, const)
+    fit = ssp.fit(problem, const, cfg, cfg.method.ssp)
+    expected = ridge.solve_direct(problem.private, ridge.penalty(const.lam, cfg.oracle))
+    torch.testing.assert_close(fit.gamma[:, 0], expected, rtol=1e-9, atol=1e-12)
+    from types import SimpleNamespace
+
+    calibrated = ssp.noise_std(SimpleNamespace(noise_scale=1.0), const, eps=0.2, delta=1e-5)
+    assert privacy.gaussian_delta(mu=privacy.ssp_sensitivity(C=const.C, G=const.G) / calibrated, eps=0.2) <= 1e-5 * 1.001

@@ -7,6 +7,6 @@ Which estimators run is configuration: ``conf/method/<name>.yaml`` holds ``<name
 (``spec``); one estimator can serve several method files with different settings.
 """
 
-from pipeline.methods import dp_ridge, dpsgd, gd, noisyhead, ridge
+from pipeline.methods import dp_ridge, dpsgd, gd, noisyhead, ridge, ssp
 
-ESTIMATORS = {"ridge": ridge, "gd": gd, "noisyhead": noisyhead, "dp_ridge": dp_ridge, "dpsgd": dpsgd}
+ESTIMATORS = {"ridge": ridge, "gd": gd, "noisyhead": noisyhead, "dp_ridge": dp_ridge, "dpsgd": dpsgd, "ssp": ssp}
