@@ -69,10 +69,11 @@ def run(cfg: DictConfig) -> Path:
         out.mkdir(parents=True, exist_ok=True)
         csv = out / "results.csv"
         results.to_csv(csv, index=False)
-        fig = plot.figure(results, cfg.plot, out / f"{cfg.plot.y}.png", labels=method_labels(cfg))
+        figs = plot.figures(results, cfg.plot, out, labels=method_labels(cfg))
         mlflow.log_artifact(str(csv))
-        mlflow.log_artifact(str(fig))
+        for fig in figs:
+            mlflow.log_artifact(str(fig))
         tracking.log_metrics("cell", {"seconds": time.perf_counter() - start})
     log.info("%s\n%s", name, summary(results))
-    log.info("wrote %s and %s", csv, fig)
+    log.info("wrote %s and %s", csv, ", ".join(str(f) for f in figs))
     return csv

@@ -31,7 +31,7 @@ COLUMNS = [
     "lam", "eta0", "C", "G", "R", "sigma", "noise_std", "n_test", "seed", "oracle",
     "attack_mu", "attack_c", "attack_p", "attack_alpha",
     *(f"{m}_{s}" for m in METRICS for s in STATS),
-    *(f"log10_{m}_{s}" for m in ("excess_risk", "attack_risk") for s in ("mean", "sd")),
+    *(f"log10_{m}_{s}" for m in METRICS for s in ("mean", "sd")),
 ]
 
 

@@ -36,14 +36,31 @@ def _series(row, labels: dict[str, str]) -> str:
     return f"{name}, {coupling} noise" if coupling in ("independent", "shared") else name
 
 
-def figure(df: pd.DataFrame, spec: DictConfig, path: Path, labels: dict[str, str] | None = None) -> Path:
-    """``spec.y`` (excess_risk, attack_risk, ...) against ``spec.x``, one line per ``hue`` value
-    (or per method when hue is null), one panel per value of ``spec.facet`` (a column, or none),
-    with +-k sd error bars; saved as PNG. ``labels`` names the methods."""
-    labels = labels or {}
+def measures(spec: DictConfig) -> list[str]:
+    """The measures ``spec.y`` names (one, or a list)."""
     y = spec.get("y", "excess_risk")
+    return [y] if isinstance(y, str) else list(y)
+
+
+def shown(df: pd.DataFrame, spec: DictConfig) -> pd.DataFrame:
+    """The rows of the methods ``spec.methods`` names (null: every method but the ridge oracle)."""
     methods = list(spec.methods) if spec.methods else [m for m in df["method"].unique() if m != "ridge"]
-    df = df[df["method"].isin(methods)].copy()
+    return df[df["method"].isin(methods)]
+
+
+def figures(df: pd.DataFrame, spec: DictConfig, folder: Path, labels: dict[str, str] | None = None) -> list[Path]:
+    """One figure per measure, ``folder/<measure>.png``."""
+    return [figure(df, spec, folder / f"{y}.png", labels, y=y) for y in measures(spec)]
+
+
+def figure(df: pd.DataFrame, spec: DictConfig, path: Path, labels: dict[str, str] | None = None,
+           y: str | None = None) -> Path:
+    """``y`` (default ``spec.y``: excess_risk, attack_risk, test_mse) against ``spec.x``, one line per
+    ``hue`` value (or per method when hue is null), one panel per value of ``spec.facet`` (a column,
+    or none), with +-k sd error bars; saved as PNG. ``labels`` names the methods."""
+    labels = labels or {}
+    y = y or measures(spec)[0]
+    df = shown(df, spec).copy()
     df = df[df[f"{y}_mean"].notna()]
     x, hue = _auto(df, spec)
     k = float(spec.k_sd)
@@ -89,18 +106,51 @@ def figure(df: pd.DataFrame, spec: DictConfig, path: Path, labels: dict[str, str
     return path
 
 
-def table(df: pd.DataFrame, rows: list[str], value: str, labels: dict[str, str] | None = None) -> tuple[pd.DataFrame, str]:
-    """One row per combination of ``rows``, one column per method: "mean (sd)" of ``value``.
-    Returns the numeric table (means and sds as columns) and its Markdown rendering."""
+def audit_histogram(s_canary: np.ndarray, s_neighbour: np.ndarray, bound, row: dict, path: Path) -> Path:
+    """The audit's statistic on the held-out runs of both neighbouring sets, with the chosen threshold."""
+    fig, ax = plt.subplots(figsize=(6.5, 4.2))
+    lo, hi = np.quantile(np.concatenate([s_canary, s_neighbour]), [0.0005, 0.9995])
+    bins = np.linspace(min(lo, bound.threshold), max(hi, bound.threshold), 120)
+    ax.hist(s_canary, bins=bins, alpha=0.5, label="canary set D", color="tab:red")
+    ax.hist(s_neighbour, bins=bins, alpha=0.5, label="neighbouring set D'", color="tab:blue")
+    ax.axvline(bound.threshold, color="black", ls="--",
+               label=f"threshold ({bound.region}; TPR {bound.tpr:.3g}, FPR {bound.fpr:.3g})")
+    ax.set_yscale("log")
+    ax.set_xlabel("statistic <output, mean difference>")
+    ax.set_ylabel("runs")
+    ax.set_title(f"{row['method']}: eps >= {bound.eps_lower:.3g} (claimed {row['eps']:g}, delta {row['delta']:g}): "
+                 f"{row['verdict']}", fontsize=9)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=130)
+    plt.close(fig)
+    return path
+
+
+def table(df: pd.DataFrame, rows: list[str], values: str | list[str],
+          labels: dict[str, str] | None = None) -> tuple[pd.DataFrame, str]:
+    """One row per combination of ``rows``, one column per method: "mean (sd)" of each of ``values``
+    (one Markdown table per value). Returns the numeric table (``<method>_<value>_mean`` and
+    ``_sd`` columns) and its Markdown rendering."""
     labels = labels or {}
+    values = [values] if isinstance(values, str) else list(values)
     methods = list(dict.fromkeys(df["method"]))
-    wide = df.pivot_table(index=rows, columns="method", values=[f"{value}_mean", f"{value}_sd"], sort=True)
+    stats = [f"{v}_{s}" for v in values for s in ("mean", "sd")]
+    wide = df.pivot_table(index=rows, columns="method", values=stats, sort=True)
     header = [*rows, *(labels.get(m, m) for m in methods)]
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    for key, row in wide.iterrows():
-        key = key if isinstance(key, tuple) else (key,)
-        cells = [f"{k:g}" for k in key]
-        cells += [f"{row[(f'{value}_mean', m)]:.4g} ({row[(f'{value}_sd', m)]:.2g})" for m in methods]
-        lines.append("| " + " | ".join(cells) + " |")
-    wide.columns = [f"{m}_{stat.removeprefix(value + '_')}" for stat, m in wide.columns]
-    return wide.reset_index(), "\n".join(lines) + "\n"
+    lines = []
+    for value in values:
+        if len(values) > 1:
+            lines += ["", f"**{value.replace('_', ' ')}**, mean (sd) across trials", ""]
+        lines += ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+        for key, row in wide.iterrows():
+            key = key if isinstance(key, tuple) else (key,)
+            cells = [f"{k:g}" for k in key]
+            cells += [f"{row[(f'{value}_mean', m)]:.4g} ({row[(f'{value}_sd', m)]:.2g})" for m in methods]
+            lines.append("| " + " | ".join(cells) + " |")
+    if len(values) == 1:
+        wide.columns = [f"{m}_{stat.removeprefix(values[0] + '_')}" for stat, m in wide.columns]
+    else:
+        wide.columns = [f"{m}_{stat}" for stat, m in wide.columns]
+    return wide.reset_index(), "\n".join(lines).lstrip("\n") + "\n"

@@ -33,14 +33,14 @@ def report(results: pd.DataFrame, config: DictConfig, artifacts: list[str]) -> N
     out.mkdir(parents=True, exist_ok=True)
     for path in artifacts:
         shutil.copyfile(path, out / Path(path).name)
-    y = config.plot.get("y", "excess_risk")
     metrics = {"cells": int(results[["N", "eps", "attack_c", "attack_p"]].astype(str).drop_duplicates().shape[0]),
                "trials": int(results["B"].iloc[0])}
-    for method, rows in results[results["method"].isin(list(config.plot.methods))].groupby("method"):
+    for method, rows in plot.shown(results, config.plot).groupby("method"):
         for coupling, sub in rows.groupby(rows["coupling"].fillna("")):
-            key = f"{method}{'_' + coupling if coupling else ''}_{y}_mean"
-            metrics[f"{key}_min"] = float(sub[f"{y}_mean"].min())
-            metrics[f"{key}_max"] = float(sub[f"{y}_mean"].max())
+            for y in plot.measures(config.plot):
+                key = f"{method}{'_' + coupling if coupling else ''}_{y}_mean"
+                metrics[f"{key}_min"] = float(sub[f"{y}_mean"].min())
+                metrics[f"{key}_max"] = float(sub[f"{y}_mean"].max())
     (out / "metrics.json").write_text(json.dumps(metrics, indent=2, sort_keys=True) + "\n")
 
 
@@ -57,12 +57,13 @@ class SweepCallback(Callback):
         results = pd.concat(frames, ignore_index=True)
         csv = sweep_dir / "results.csv"
         results.to_csv(csv, index=False)
-        fig = plot.figure(results, config.plot, sweep_dir / f"{config.plot.y}.png", labels=cell.method_labels(config))
-        artifacts = [str(csv), str(fig)]
+        figs = plot.figures(results, config.plot, sweep_dir, labels=cell.method_labels(config))
+        artifacts = [str(csv), *map(str, figs)]
         if config.report.table:
             spec = config.report.table
-            shown = results[results["method"].isin(list(config.plot.methods))]
-            numbers, markdown = plot.table(shown, list(spec.rows), spec.value, labels=cell.method_labels(config))
+            value = spec.value if isinstance(spec.value, str) else list(spec.value)
+            numbers, markdown = plot.table(plot.shown(results, config.plot), list(spec.rows), value,
+                                           labels=cell.method_labels(config))
             numbers.to_csv(sweep_dir / "table.csv", index=False)
             (sweep_dir / "table.md").write_text(markdown)
             artifacts += [str(sweep_dir / "table.csv"), str(sweep_dir / "table.md")]
@@ -75,4 +76,4 @@ class SweepCallback(Callback):
             sweep, name, artifacts,
             params={"cells": len(frames), "regime": config.regime.name, "sweep_dir": str(sweep_dir)},
         )
-        log.info("sweep of %d cells: wrote %s and %s", len(frames), csv, fig)
+        log.info("sweep of %d cells: wrote %s and %s", len(frames), csv, ", ".join(map(str, figs)))

@@ -10,7 +10,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 ARCHIVE = ROOT.parent / "shared" / "data" / "20news-bydate.tar.gz"
-STAGES = ("fig1", "fig2", "fig3", "fig4", "fig5", "table1", "fig6")
+STAGES = ("fig1", "fig2", "fig3", "fig4", "fig5", "table1", "fig6", "beyond_lowdim", "beyond_highdim")
 
 pytestmark = pytest.mark.skipif(shutil.which("dvc") is None or not ARCHIVE.is_file(),
                                 reason="needs dvc and ../shared/data/20news-bydate.tar.gz")

@@ -65,7 +65,9 @@ def fit(problem, const, cfg, spec, stream: str = "") -> Fit:
     eps, delta = float(cfg.privacy.eps), float(cfg.privacy.delta)
     q = min(1.0, spec.batch_size / N)
     clip = const.G * (const.C + const.R * const.G)
-    sigmas = [privacy.dpsgd_noise_multiplier(eps=eps, delta=delta, sample_rate=q, steps=T, accountant=spec.accountant)
+    scale = float(getattr(spec, "noise_scale", 1.0))  # 1 unless deliberately under-noised (the audit's control)
+    sigmas = [scale * privacy.dpsgd_noise_multiplier(eps=eps, delta=delta, sample_rate=q, steps=T,
+                                                     accountant=spec.accountant)
               for T in const.T]
     parts = []
     for i, sl in chunks(B, cfg.compute.chunk_trials, "dpsgd"):

@@ -45,12 +45,23 @@ def solve(feats: Features, mu: float, *, method: str = "auto", tol: float = 1e-1
     if method == "direct" or (method == "auto" and min(_primal_cost(N, D), _dual_cost(N, D)) <= 50 * 4 * N * D * D):
         return solve_direct(feats, mu)
     quad = Quadratic(feats, gram=False)
-    b = quad.b.unsqueeze(1)
+    x, converged = conjugate_gradients(lambda p: quad.apply(p) + mu * p, quad.b.unsqueeze(1), tol=tol, max_iter=max_iter)
+    x = x.squeeze(1)
+    if not converged.all():
+        x[~converged] = solve_direct(feats[~converged], mu)
+    return x
+
+
+def conjugate_gradients(apply, b: Tensor, *, tol: float, max_iter: int) -> tuple[Tensor, Tensor]:
+    """Solve apply(x) = b for a symmetric positive definite operator, batched: b (B, M, D, D).
+    Returns x and, per trial, whether its relative residual reached ``tol``."""
+    B = b.shape[0]
     x, r = torch.zeros_like(b), b.clone()
     p, rs = r.clone(), r.square().sum((-2, -1), keepdim=True)
     target = (tol * b.flatten(1).norm(dim=-1)).square().view(B, 1, 1, 1)
+    rs_next = rs
     for _ in range(max_iter):
-        Ap = quad.apply(p) + mu * p
+        Ap = apply(p)
         step = rs / (p * Ap).sum((-2, -1), keepdim=True)
         x += step * p
         r -= step * Ap
@@ -59,11 +70,7 @@ def solve(feats: Features, mu: float, *, method: str = "auto", tol: float = 1e-1
             break
         p = r + (rs_next / rs) * p
         rs = rs_next
-    x = x.squeeze(1)
-    stuck = (rs_next > target).view(B)
-    if stuck.any():
-        x[stuck] = solve_direct(feats[stuck], mu)
-    return x
+    return x, (rs_next <= target).view(B)
 
 
 def _primal_cost(N: int, D: int) -> float:

@@ -1,0 +1,102 @@
+"""The auditor on a plain Gaussian mechanism, whose privacy is known exactly, and end to end."""
+
+import math
+
+import mlflow
+import numpy as np
+import pandas as pd
+import pytest
+from scipy.stats import beta
+
+from pipeline import audit, privacy
+
+DELTA = 1e-5
+
+
+def _gaussian(eps: float, runs: int, seed: int, scale: float = 1.0):
+    """Outputs of the Gaussian mechanism calibrated exactly to (eps, DELTA) on two neighbouring
+    inputs (sensitivity 1, the shift mu = 1 / multiplier), its noise std times ``scale``."""
+    mu = 1 / privacy.gaussian_multiplier(eps=eps, delta=DELTA)
+    gen = np.random.default_rng(seed)
+    return gen.normal(mu, scale, runs), gen.normal(0.0, scale, runs)
+
+
+def test_clopper_pearson_known_values():
+    """k = 0 has the closed form upper bound 1 - (1 - level)^(1/n); otherwise the beta quantiles."""
+    lo, hi = audit.clopper_pearson(np.array([0, 7, 100]), 100, 0.975)
+    assert lo[0] == 0 and hi[0] == pytest.approx(1 - 0.025 ** (1 / 100))
+    assert lo[1] == pytest.approx(beta.ppf(0.025, 7, 94)) and hi[1] == pytest.approx(beta.ppf(0.975, 8, 93))
+    assert lo[1] < 0.07 < hi[1] and hi[2] == 1
+
+
+def test_lower_bound_holds_at_its_confidence():
+    """Over 100 independent audits of a mechanism that is exactly (1, 1e-5)-DP, the bound may exceed
+    the true eps in at most 5% of them (it is conservative: in practice never)."""
+    above = sum(audit.eps_lower_bound(*_gaussian(1.0, 20_000, seed), delta=DELTA).eps_lower > 1.0 for seed in range(100))
+    assert above <= 5
+
+
+@pytest.mark.parametrize("eps", [1.0, 2.0])
+def test_lower_bound_is_within_the_stated_factor(eps):
+    """The stated tightness (README): with 100,000 runs per set and eps >= 1 the bound lies in
+    [eps / 2.5, eps] for the exactly calibrated Gaussian mechanism."""
+    for seed in range(3):
+        bound = audit.eps_lower_bound(*_gaussian(eps, 100_000, seed), delta=DELTA)
+        assert eps / 2.5 <= bound.eps_lower <= eps, (seed, bound)
+
+
+def test_halved_noise_is_flagged():
+    """The same mechanism with its noise std halved is (eps', 1e-5)-DP only for eps' near 2.3: flagged."""
+    bound = audit.eps_lower_bound(*_gaussian(1.0, 100_000, 7, scale=0.5), delta=DELTA)
+    assert bound.eps_lower > 1.0
+
+
+def test_audit_cli_flags_under_noised_ssp_and_passes_the_calibrated_one(tmp_path):
+    """python -m pipeline.audit at eps = 1, delta = 1e-5 with 100,000 runs per set: SSP as shipped is
+    consistent, SSP with its noise std halved is a violation; each audit is an MLflow run with
+    its bound, verdict and histogram."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    store = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    verdicts = {}
+    for scale in (1.0, 0.5):
+        out = tmp_path / f"scale{scale}"
+        proc = subprocess.run([sys.executable, "-m", "pipeline.audit", "audit.methods=[ssp]", f"audit.noise_scale={scale}",
+                               f"mlflow.tracking_uri={store}", f"hydra.run.dir={out}"],
+                              cwd=root, capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        row = pd.read_csv(out / "audit.csv").iloc[0]
+        assert row["runs"] == 100_000 and row["eps"] == 1.0 and row["delta"] == DELTA
+        verdicts[scale] = (row["verdict"], row["eps_lower"])
+        assert (out / "audit_ssp.png").stat().st_size > 1000
+    assert verdicts[1.0][0] == "consistent" and 0.2 < verdicts[1.0][1] <= 1.0, verdicts
+    assert verdicts[0.5][0] == "violation" and verdicts[0.5][1] > 1.0, verdicts
+    mlflow.set_tracking_uri(store)
+    runs = mlflow.search_runs(search_all_experiments=True, filter_string="tags.kind = 'audit'")
+    assert len(runs) == 2 and set(runs["status"]) == {"FINISHED"}
+    assert set(runs["tags.verdict"]) == {"consistent", "violation"}
+    assert (runs["metrics.audit.eps_lower"] > 0).all()
+
+
+@pytest.mark.parametrize("override,message", [
+    ("audit.methods=[gd]", "audit.methods"),
+    ("audit.runs=0", "audit.runs"),
+    ("audit.select_fraction=1.5", "audit.select_fraction"),
+    ("privacy.eps=-1", "privacy.eps"),
+])
+def test_audit_refuses_bad_input_before_any_run(tmp_path, override, message):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    store = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    proc = subprocess.run([sys.executable, "-m", "pipeline.audit", override, f"mlflow.tracking_uri={store}",
+                           f"hydra.run.dir={tmp_path / 'out'}"], cwd=root, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert message in proc.stderr and "error:" in proc.stderr
+    assert not (tmp_path / "out" / "audit.csv").exists()
+    assert not (tmp_path / "mlflow.db").exists()  # refused before the store was even opened
