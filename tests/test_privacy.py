@@ -237,3 +237,33 @@ def test_ssp_without_noise_is_the_ridge_solution_on_the_private_view(cfg_for):
 
     calibrated = ssp.noise_std(SimpleNamespace(noise_scale=1.0), const, eps=0.2, delta=1e-5)
     assert privacy.gaussian_delta(mu=privacy.ssp_sensitivity(C=const.C, G=const.G) / calibrated, eps=0.2) <= 1e-5 * 1.001
+
+
+def test_ssp_noise_bound_holds_and_the_adaptive_penalty_keeps_the_system_definite(cfg_for):
+    """The spectral bound of the adaptive penalty holds for sampled noise matrices; with noise far above
+    the oracle's penalty (eps = 0.01, high dimension) the oracle-penalty system turns indefinite in
+    every trial and the adaptive one in none; with small noise both are the same estimator."""
+    from omegaconf import OmegaConf
+
+    from pipeline import config, data
+    from pipeline.methods import ssp
+
+    gen = torch.Generator().manual_seed(3)
+    W = torch.randn(200, 64, 64, generator=gen, dtype=torch.float64)
+    norms = torch.linalg.matrix_norm((W + W.mT) / 2, ord=2)
+    assert (norms <= ssp.noise_bound(1.0, 64, 0.05)).all()
+    assert norms.max() > 0.6 * ssp.noise_bound(1.0, 64, 0.05)  # and it is not vacuous
+
+    noisy = cfg_for("regime=highdim", "regime.N=100", "privacy.eps=0.01", "trials=4", "method=[ridge,ssp]")
+    const = config.validate(noisy)
+    problem = data.make_problem(noisy, const)
+    fits = {p: ssp.fit(problem, const, noisy, OmegaConf.merge(noisy.method.ssp, {"penalty": p})) for p in ssp.PENALTIES}
+    assert fits["oracle"].params["indefinite"] == 4 and fits["adaptive"].params["indefinite"] == 0
+    assert fits["adaptive"].params["penalty"] > fits["oracle"].params["penalty"]
+
+    quiet = cfg_for("trials=4", "method=[ridge,ssp]")  # N = 1000, eps = 0.2
+    const = config.validate(quiet)
+    problem = data.make_problem(quiet, const)
+    fits = {p: ssp.fit(problem, const, quiet, OmegaConf.merge(quiet.method.ssp, {"penalty": p})) for p in ssp.PENALTIES}
+    assert fits["adaptive"].params["penalty"] == fits["oracle"].params["penalty"]
+    torch.testing.assert_close(fits["adaptive"].gamma, fits["oracle"].gamma, rtol=0, atol=0)
