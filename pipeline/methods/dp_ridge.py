@@ -61,6 +61,9 @@ def fit(problem, const, cfg, spec, stream: str = "") -> Fit:
         gamma = ridge.solve(problem.private[sl], mu)
         noise = rng.randn(gamma.shape, rng.generator(cfg.seed, f"noise:{spec.calibration}-ridge{stream}", i), gamma.dtype)
         parts.append(gamma + std * noise)
+    proven = privacy.ridge_sensitivity(C=const.C, G=const.G, lam=mu, N=const.N)
     params = {"calibration": spec.calibration, "penalty": mu, "sensitivity": sensitivity(spec, const, mu),
-              "noise_std": f"{std:.6g}"}
+              "noise_std": f"{std:.6g}",
+              # the eps this noise buys on the proven sensitivity (above the claim for calibration=paper)
+              "spent_eps": f"{privacy.spent_epsilon(multiplier=std / proven, T=1, delta=delta):.6g}"}
     return Fit(gamma=torch.cat(parts).unsqueeze(1), private=True, params=params)
