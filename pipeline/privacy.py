@@ -12,6 +12,8 @@ from __future__ import annotations
 import functools
 import math
 
+from dp_accounting.pld import accountant, common, privacy_loss_mechanism
+
 
 def noisyhead_sensitivity(*, C: float, G: float, R: float) -> float:
     """sigma = 2 G (C + R G) (Theorem 3.2, proof A.2).
@@ -57,42 +59,34 @@ def noisyhead_step_std(*, eta0: float, sigma: float, N: int, T: int, eps: float,
     return gaussian_std(sensitivity=Delta, eps=eps / T, delta=delta / T)
 
 
-def _gaussian_event(multiplier: float):
-    import dp_accounting
-
-    return dp_accounting.GaussianDpEvent(multiplier)
-
-
 @functools.lru_cache(maxsize=256)
-def gaussian_multiplier(*, eps: float, delta: float) -> float:
-    """The analytic Gaussian mechanism: the smallest noise multiplier z (std / l2-sensitivity) for
-    which one Gaussian release is (eps, delta)-DP, for any eps > 0 (Balle and Wang 2018), by
-    dp-accounting's calibration with its PLD accountant (whose discretisation errs on the safe
-    side: the delta it certifies is at least the true one)."""
-    import dp_accounting
-    from dp_accounting.pld import pld_privacy_accountant
-
-    return dp_accounting.calibrate_dp_mechanism(pld_privacy_accountant.PLDAccountant, _gaussian_event, eps, delta)
-
-
 def tight_multiplier(*, T: int, eps: float, delta: float) -> float:
-    """The per-step noise multiplier z for which T composed Gaussian steps (each of sensitivity
-    Delta, std z Delta) are (eps, delta)-DP. Their privacy loss is exactly that of one Gaussian
-    mechanism with multiplier z / sqrt(T) (the sum of T independent Gaussian privacy losses is
-    Gaussian, means and variances adding), so z = sqrt(T) times ``gaussian_multiplier``; the tests
-    check this against dp-accounting's own T-fold composition."""
-    return math.sqrt(T) * gaussian_multiplier(eps=eps, delta=delta)
+    """The per-step noise multiplier z (std / sensitivity) for which T composed Gaussian steps are
+    (eps, delta)-DP. Their privacy loss is exactly that of one Gaussian mechanism with sensitivity
+    sqrt(T) (independent Gaussian privacy losses add up to a Gaussian one), so z is dp-accounting's
+    smallest Gaussian noise for T queries: the analytic Gaussian mechanism of Balle and Wang
+    (exact, any eps > 0). The tests check it against dp-accounting's PLD accountant composing the
+    T steps one by one, and against the exact delta(eps)."""
+    return accountant.get_smallest_gaussian_noise(common.DifferentialPrivacyParameters(eps, delta),
+                                                  num_queries=T, sensitivity=1.0)
+
+
+def gaussian_multiplier(*, eps: float, delta: float) -> float:
+    """The analytic Gaussian mechanism: the smallest noise multiplier for which one Gaussian release
+    is (eps, delta)-DP, for any eps > 0."""
+    return tight_multiplier(T=1, eps=eps, delta=delta)
 
 
 def spent_epsilon(*, multiplier: float, T: int, delta: float) -> float:
-    """The eps, at delta, of T composed Gaussian steps with noise multiplier ``multiplier``
-    (one Gaussian with multiplier / sqrt(T)), by dp-accounting's PLD accountant: what a run
-    actually spends."""
-    from dp_accounting.pld import pld_privacy_accountant
-
-    accountant = pld_privacy_accountant.PLDAccountant()
-    accountant.compose(_gaussian_event(multiplier / math.sqrt(T)))
-    return accountant.get_epsilon(delta)
+    """The eps, at delta, of T composed Gaussian steps with noise multiplier ``multiplier`` (one
+    Gaussian with sensitivity sqrt(T)): dp-accounting's exact delta(eps) of that mechanism, inverted
+    by its bisection (to 1e-9, rounded up). What a run actually spends."""
+    if multiplier <= 0:  # no noise: no finite eps
+        return math.inf
+    loss = privacy_loss_mechanism.GaussianPrivacyLoss(multiplier, sensitivity=math.sqrt(T))
+    search = common.BinarySearchParameters(0.0, 1e6, tolerance=1e-9)
+    eps = common.inverse_monotone_function(loss.get_delta_for_epsilon, delta, search, increasing=False)
+    return 0.0 if eps is None else eps
 
 
 def gaussian_delta(*, mu: float, eps: float) -> float:

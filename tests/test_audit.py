@@ -1,6 +1,5 @@
 """The auditor on a plain Gaussian mechanism, whose privacy is known exactly, and end to end."""
 
-import math
 
 import mlflow
 import numpy as np
