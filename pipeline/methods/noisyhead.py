@@ -5,8 +5,9 @@ Privacy: each update's l2-sensitivity is eta0 sigma / N with sigma = 2 G (C + R 
 of ``Problem.private`` and the projection Pi_R of every iterate. The Gaussian noise
 z_t = s xi_t ~ N(0, s^2 I) is drawn here (xi) and added in ``descent``, with s from
 ``privacy.noisyhead_step_std`` (``privacy.accountant``: basic composition over the T steps, as
-in the paper, or the tight composition of the T Gaussian steps). The eps that dp-accounting's
-PLD accountant gives for the noise actually used is logged as ``spent_eps``.
+in the paper, or the tight composition of the T Gaussian steps). The eps that the T composed
+Gaussian steps actually spend with the noise used (``privacy.spent_epsilon``) is logged as
+``spent_eps``.
 
 A method file may set its own ``accountant`` (else ``privacy.accountant``) and ``horizon``:
 ``regime`` runs the regime's T, ``bound`` the T that minimises Theorem 4.1's bound
@@ -110,7 +111,7 @@ def fit(problem, const, cfg, spec=None, stream: str = "") -> Fit:
         "sigma": const.sigma,
         "step_sensitivity": privacy.step_sensitivity(eta0=const.eta0, sigma=const.sigma, N=N),
         "noise_std": ",".join(f"{s:.6g}" for s in stds),
-        "spent_eps": ",".join(f"{e:.6g}" for e in spent),  # the PLD accountant's eps at delta for this noise
+        "spent_eps": ",".join(f"{e:.6g}" for e in spent),  # the eps at delta this noise buys
     }
     if accountant == "basic":
         params |= {"step_eps": ",".join(f"{eps / T:.6g}" for T in Ts),
