@@ -18,6 +18,13 @@ class Fit:
     T: tuple[int, ...] | None = None  # the horizons of gamma's columns when they are not the regime's
 
 
+def noise_scale(spec) -> float:
+    """The factor a private method's file puts on its calibrated noise (``noise_scale``, default 1).
+    Below 1 the run is under-noised and its (eps, delta) claim void: it exists as the privacy
+    audit's negative control. Every private estimator multiplies its noise by it."""
+    return float(getattr(spec, "noise_scale", 1.0))
+
+
 def chunks(trials: int, size: int, desc: str) -> Iterator[tuple[int, slice]]:
     """(chunk index, slice of trials); the index names the chunk's random streams."""
     starts = range(0, trials, size)

@@ -21,7 +21,7 @@ import torch
 
 from pipeline import privacy, rng
 from pipeline.methods import ridge
-from pipeline.methods.base import Fit, chunks
+from pipeline.methods.base import Fit, chunks, noise_scale
 
 PRIVATE = True
 CALIBRATIONS = ("analytic", "classic", "paper")
@@ -43,7 +43,7 @@ def sensitivity(spec, const, mu: float) -> float:
 
 def noise_std(spec, const, mu: float, *, eps: float, delta: float) -> float:
     """The calibrated std times the spec's ``noise_scale`` (1 unless deliberately under-noised)."""
-    scale = float(getattr(spec, "noise_scale", 1.0))
+    scale = noise_scale(spec)
     if spec.calibration == "paper":
         return scale * privacy.ridge_std_printed(C=const.C, G=const.G, lam=mu, N=const.N, eps=eps, delta=delta)
     Delta = sensitivity(spec, const, mu)

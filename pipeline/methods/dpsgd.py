@@ -26,7 +26,7 @@ from torch import Tensor
 
 from pipeline import privacy, rng
 from pipeline.features import Features
-from pipeline.methods.base import Fit, chunks
+from pipeline.methods.base import Fit, chunks, noise_scale
 from pipeline.methods.descent import initial_gamma
 
 PRIVATE = True
@@ -65,7 +65,7 @@ def fit(problem, const, cfg, spec, stream: str = "") -> Fit:
     eps, delta = float(cfg.privacy.eps), float(cfg.privacy.delta)
     q = min(1.0, spec.batch_size / N)
     clip = const.G * (const.C + const.R * const.G)
-    scale = float(getattr(spec, "noise_scale", 1.0))  # 1 unless deliberately under-noised (the audit's control)
+    scale = noise_scale(spec)
     sigmas = [scale * privacy.dpsgd_noise_multiplier(eps=eps, delta=delta, sample_rate=q, steps=T,
                                                      accountant=spec.accountant)
               for T in const.T]

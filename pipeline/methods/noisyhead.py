@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from pipeline import privacy, rng
-from pipeline.methods.base import Fit, chunks
+from pipeline.methods.base import Fit, chunks, noise_scale
 from pipeline.methods.descent import Quadratic, descend, initial_gamma, run
 
 
@@ -82,7 +82,7 @@ def fit(problem, const, cfg, spec=None, stream: str = "") -> Fit:
     eps, delta = float(cfg.privacy.eps), float(cfg.privacy.delta)
     accountant = accountant_of(spec, cfg)
     Ts = horizons(spec, const, cfg)
-    scale = float(getattr(spec, "noise_scale", 1.0))  # 1 unless deliberately under-noised (the audit's control)
+    scale = noise_scale(spec)
     stds = tuple(
         scale * privacy.noisyhead_step_std(eta0=const.eta0, sigma=const.sigma, N=N, T=T, eps=eps, delta=delta,
                                            accountant=accountant)

@@ -38,7 +38,7 @@ from torch import Tensor
 
 from pipeline import privacy, rng
 from pipeline.methods import ridge
-from pipeline.methods.base import Fit, chunks
+from pipeline.methods.base import Fit, chunks, noise_scale
 from pipeline.methods.descent import Quadratic
 
 PRIVATE = True
@@ -47,7 +47,7 @@ PRIVATE = True
 def noise_std(spec, const, *, eps: float, delta: float) -> float:
     """s = sensitivity x the analytic Gaussian multiplier, times ``noise_scale`` (1 unless deliberately
     under-noised)."""
-    scale = float(getattr(spec, "noise_scale", 1.0))
+    scale = noise_scale(spec)
     return scale * privacy.ssp_sensitivity(C=const.C, G=const.G) * privacy.gaussian_multiplier(eps=eps, delta=delta)
 
 
