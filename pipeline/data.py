@@ -15,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -57,51 +58,59 @@ class Problem:
         return self.train.q.shape[0]
 
 
-def _sphere_prompts(n_trials: int, n_prompts: int, L: int, D: int, tau: float, gen, C: float | None,
-                    keep: Tensor | None = None):
-    """Draw prompts and reduce them to raw features and, when C is given, clipped ones.
+def _sphere_prompts(n_prompts: int, L: int, D: int, tau: float, gen, C: float | None, raw: Features,
+                    clipped: Features | None = None, keep: Tensor | None = None, scratch: Tensor | None = None):
+    """Draw ``raw.y.numel()`` prompts and write their features into ``raw`` and, when C is
+    given, their clipped features into ``clipped`` (both (n_trials, n_prompts) views of the
+    outputs, in any dtype). Returns how many responses clip_C changed and the raw tokens of the
+    prompts that ``keep`` (n_trials, k) names.
 
-    Returns raw Features (n_trials, n_prompts), clipped Features or None, how many responses
-    clip_C changed, and the raw tokens of the prompts that ``keep`` (n_trials, k) names.
-    The n_trials * n_prompts prompts are drawn in order, in slices of about ``_SLICE``
-    numbers so that the float32 temporaries stay small (the slices share one generator, so
-    they do not change the draws). Tokens are the columns of (D, L+1) blocks, as in E.
+    The prompts are drawn in order, in slices of about ``_SLICE`` numbers (the slices share
+    one generator; the slice length fixes the order of the draws, so it must not change).
+    Each slice is drawn into ``scratch``, reused from slice to slice and call to call, so that
+    no slice pays for fresh pages, and turned into features ``_BLOCK`` prompts at a time, so
+    that the temporaries stay in the core's cache. Tokens are the columns of (D, L+1) blocks,
+    as in E.
     """
+    n_trials = raw.y.shape[0]
     total = n_trials * n_prompts
-    # Outputs are allocated up front and filled slice by slice: small long-lived tensors made
-    # between the large short-lived slices would fragment the heap (seen: 7 GB for 0.1 GB of data).
-    raw = _empty(total, D)
-    clipped = _empty(total, D) if C is not None else None
+    raw = raw.reshape(total)
+    clipped = clipped.reshape(total) if clipped is not None else None
     n_clipped = 0
     wanted = None if keep is None else (torch.arange(n_trials).unsqueeze(1) * n_prompts + keep).flatten()
     ascending = None if wanted is None else wanted.sort().values
     if wanted is not None:  # filled in increasing position
         kept_x, kept_y, n_kept = torch.empty(len(wanted), D, L + 1), torch.empty(len(wanted), L + 1), 0
-    step = max(1, _SLICE // ((L + 1) * D))
+    step = _slice_prompts(L, D)
+    scratch = _scratch(scratch, (min(step, total) + _BLOCK) * D * (L + 1))
+    block = scratch[-_BLOCK * D * (L + 1):].view(_BLOCK, D, L + 1)  # after the slice's tokens
     for start in range(0, total, step):
         m = min(step, total - start)
-        x = torch.empty(m, D, L + 1).normal_(generator=gen)
-        x.mul_(torch.rsqrt(x.square().sum(-2, keepdim=True)))  # uniform on the sphere
+        x = scratch[: m * D * (L + 1)].view(m, D, L + 1).normal_(generator=gen)
         w = torch.empty(m, D, 1).normal_(generator=gen)
-        y = (x * w).sum(-2)  # (m, L+1): y_i = w.x_i
-        if tau > 0:
-            y += tau * torch.empty_like(y).normal_(generator=gen)
-        _fill(raw, start, from_tokens(x, y))
+        e = torch.empty(m, L + 1).normal_(generator=gen) if tau > 0 else None
+        y = torch.empty(m, L + 1)
+        for b in range(0, m, _BLOCK):
+            blk = slice(b, min(b + _BLOCK, m))
+            xb, tmp = x[blk], block[: blk.stop - b]
+            xb.mul_(torch.rsqrt(torch.square(xb, out=tmp).sum(-2, keepdim=True)))  # uniform on the sphere
+            yb = torch.sum(torch.mul(xb, w[blk], out=tmp), -2, out=y[blk])  # y_i = w.x_i
+            if e is not None:
+                yb += tau * e[blk]
+            _fill(raw, start + b, from_tokens(xb, yb))
+            if clipped is not None:
+                _fill(clipped, start + b, from_tokens(xb, yb, clip=C))
+        if clipped is not None:
+            n_clipped += int((y.abs() > C).sum())  # context and query responses
         if wanted is not None:
             here = ascending[(ascending >= start) & (ascending < start + m)] - start
             kept_x[n_kept : n_kept + len(here)], kept_y[n_kept : n_kept + len(here)] = x[here], y[here]
             n_kept += len(here)
-        if C is not None:
-            _fill(clipped, start, from_tokens(x, y, clip=C))
-            n_clipped += int((y.abs() > C).sum())  # context and query responses
-    shape = (n_trials, n_prompts)
-    raw = raw.reshape(*shape)
-    clipped = clipped.reshape(*shape) if clipped is not None else None
     kept = None
     if wanted is not None:  # back in the order of ``keep``: element i is the rank(i)-th in position
         order = wanted.argsort().argsort()
         kept = (kept_x[order].reshape(*keep.shape, D, L + 1), kept_y[order].reshape(*keep.shape, L + 1))
-    return raw, clipped, n_clipped, kept
+    return n_clipped, kept
 
 
 def _fill(out: Features, start: int, part: Features) -> None:
@@ -109,48 +118,61 @@ def _fill(out: Features, start: int, part: Features) -> None:
     out.q[rows], out.v[rows], out.y[rows] = part.q, part.v, part.y
 
 
-_SLICE = 1 << 22  # numbers per generation slice (16 MB of float32)
+_SLICE = 1 << 22  # numbers per generation slice (16 MB of float32); fixes the order of the draws
+_BLOCK = 4096  # prompts per block of the feature computation (640 kB of float32 tokens)
+
+
+def _slice_prompts(L: int, D: int) -> int:
+    return max(1, _SLICE // ((L + 1) * D))
+
+
+def _scratch(buffer: Tensor | None, numel: int) -> Tensor:
+    return buffer if buffer is not None and buffer.numel() >= numel else torch.empty(numel)
 
 
 def synthetic(const: Constants, *, trials: int, n_test: int, seed: int, chunk: int, dtype, keep: int = 0,
               dataset=None) -> Problem:
-    """Chunks of trials are drawn on two threads (each chunk has its own random streams,
-    so the numbers do not depend on the threading). ``keep`` > 0 also keeps the raw tokens of
-    that many prompts per trial, chosen uniformly without replacement (stream "attack")."""
+    """Chunks of trials are drawn on two threads, each writing its rows of the outputs (each
+    chunk has its own random streams, so the numbers do not depend on the threading).
+    ``keep`` > 0 also keeps the raw tokens of that many prompts per trial, chosen uniformly
+    without replacement (stream "attack"). The fingerprint hashes each chunk's features."""
     N, L, D, C, G = const.N, const.L, const.D, const.C, const.G
-
-    def draw(i: int):
-        b = min(chunk, trials - i * chunk)
-        index = None
-        if keep:
-            index = torch.rand(b, N, generator=rng.generator(seed, "attack", i)).argsort(-1)[:, :keep]
-        raw, clip, nc, kept = _sphere_prompts(b, N, L, D, const.tau, rng.generator(seed, "train", i), C, index)
-        test, _, _, _ = _sphere_prompts(b, n_test, L, D, const.tau, rng.generator(seed, "test", i), None)
-        return raw, clip, test, nc, (index, kept)
-
-    n_chunks = -(-trials // chunk)
     out = {
         "train": _empty(trials, N, D, dtype=dtype),
         "clipped": _empty(trials, N, D, dtype=dtype),
         "test": _empty(trials, n_test, D, dtype=dtype),
     }
-    n_clipped, kept = 0, []
+    local = threading.local()  # one scratch buffer per worker thread
+
+    def draw(i: int):
+        rows = slice(i * chunk, min((i + 1) * chunk, trials))
+        b = rows.stop - rows.start
+        index = None
+        if keep:
+            index = torch.rand(b, N, generator=rng.generator(seed, "attack", i)).argsort(-1)[:, :keep]
+        local.scratch = _scratch(getattr(local, "scratch", None), (_slice_prompts(L, D) + _BLOCK) * D * (L + 1))
+        train, test = out["train"][rows], out["test"][rows]
+        nc, kept = _sphere_prompts(N, L, D, const.tau, rng.generator(seed, "train", i), C, train,
+                                   out["clipped"][rows], index, local.scratch)
+        _sphere_prompts(n_test, L, D, const.tau, rng.generator(seed, "test", i), None, test, scratch=local.scratch)
+        digest = hashlib.sha256()
+        for t in (train.q, train.v, train.y, test.q, test.v, test.y):
+            digest.update(t.numpy().data)
+        return nc, (index, kept), digest.digest()
+
+    n_chunks = -(-trials // chunk)
+    n_clipped, kept, digest = 0, [], hashlib.sha256()
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # one core per chunk instead of two per operation
     try:
         with ThreadPoolExecutor(max(1, min(threads, n_chunks))) as pool:
             drawn = pool.map(draw, range(n_chunks))
-            for i, parts in enumerate(tqdm(drawn, total=n_chunks, desc="data", leave=False, disable=None)):
-                for name, part in zip(out, parts):
-                    _fill(out[name], i * chunk, part)
-                n_clipped += parts[3]
-                kept.append(parts[4])
+            for nc, k, d in tqdm(drawn, total=n_chunks, desc="data", leave=False, disable=None):
+                n_clipped += nc
+                kept.append(k)
+                digest.update(d)
     finally:
         torch.set_num_threads(threads)
-    digest = hashlib.sha256()
-    for part in (out["train"], out["test"]):
-        for t in (part.q, part.v, part.y):
-            digest.update(t.numpy().data)
     kept = Tokens(torch.cat([k[0] for k in kept]), torch.cat([k[1][0] for k in kept]).to(dtype),
                   torch.cat([k[1][1] for k in kept]).to(dtype)) if keep else None
     return _problem(out, G=G, clipped_share=n_clipped / (trials * N * (L + 1)),
