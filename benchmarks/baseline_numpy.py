@@ -10,6 +10,7 @@ an independent check of the batched numbers.
 from __future__ import annotations
 
 import math
+import time
 
 import numpy as np
 
@@ -39,10 +40,14 @@ def _project(g, R):
     return g if n <= R else g * (R / n)
 
 
-def one_trial(rng, *, N, L, D, C, G, R, lam, eta0, T, noise_std, n_test, init_scale, penalty):
+def one_trial(rng, *, N, L, D, C, G, R, lam, eta0, T, noise_std, n_test, init_scale, penalty, clock):
+    start = time.perf_counter()
     x, y = _prompts(rng, N, L, D)
     Z, yq = _features(x, y, L)
     Zp, yp = _features(x, y, L, clip=C, G=G)
+    xt, yt = _prompts(rng, n_test, L, D)
+    Zt, _ = _features(xt, yt, L)
+    clock["prompts"] += time.perf_counter() - start
     star = np.linalg.solve(Z.T @ Z + penalty * N * np.eye(D * D), Z.T @ yq)
     g0 = _project(init_scale * rng.standard_normal(D * D), R)
     gd, nh = g0.copy(), g0.copy()
@@ -50,13 +55,13 @@ def one_trial(rng, *, N, L, D, C, G, R, lam, eta0, T, noise_std, n_test, init_sc
         gd = (1 - 2 * lam * eta0) * gd - eta0 / N * (Z.T @ (Z @ gd - yq))
         nh = (1 - 2 * lam * eta0) * nh - eta0 / N * (Zp.T @ (Zp @ nh - yp))
         nh = _project(nh + noise_std * rng.standard_normal(D * D), R)
-    xt, yt = _prompts(rng, n_test, L, D)
-    Zt, _ = _features(xt, yt, L)
     return np.mean((Zt @ (gd - star)) ** 2), np.mean((Zt @ (nh - star)) ** 2)
 
 
-def run(const, *, eps: float, delta: float, trials: int, n_test: int, seed: int = 0, oracle: str = "update"):
-    """Per-trial excess risks of GD and NoisyHead, (trials, 2)."""
+def run(const, *, eps: float, delta: float, trials: int, n_test: int, seed: int = 0, oracle: str = "update",
+        clock: dict | None = None):
+    """Per-trial excess risks of GD and NoisyHead, (trials, 2). ``clock["prompts"]`` gains the
+    seconds spent drawing prompts and building their features."""
     T = const.T[0]
     noise_std = (
         math.sqrt(2 * math.log(1.25 * T / delta)) * T / eps * const.eta0 * 2 * const.G * (const.C + const.R * const.G) / const.N
@@ -64,5 +69,6 @@ def run(const, *, eps: float, delta: float, trials: int, n_test: int, seed: int 
     rng = np.random.default_rng(seed)
     args = dict(N=const.N, L=const.L, D=const.D, C=const.C, G=const.G, R=const.R, lam=const.lam, eta0=const.eta0, T=T,
                 noise_std=noise_std, n_test=n_test, init_scale=const.init_scale,
-                penalty=2 * const.lam if oracle == "update" else const.lam)
+                penalty=2 * const.lam if oracle == "update" else const.lam,
+                clock=clock if clock is not None else {"prompts": 0.0})
     return np.array([one_trial(rng, **args) for _ in range(trials)])

@@ -9,7 +9,7 @@ parameter matrices per trial (one per horizon T).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
@@ -17,17 +17,29 @@ from torch import Tensor
 
 @dataclass
 class Features:
+    """Features are not modified once built (an attack builds new ones), so a slice's view
+    and a small gram are computed once and remembered: the estimators of one cell, and
+    the cells that reuse the problem, share them."""
+
     q: Tensor  # (B, N, D) query tokens
     v: Tensor  # (B, N, D) context summaries
     y: Tensor  # (B, N) targets y_{L+1}
+    _slices: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+    _gram: Tensor | None = field(default=None, init=False, repr=False, compare=False)
 
     @property
     def shape(self) -> tuple[int, int, int]:
         return tuple(self.q.shape)  # type: ignore[return-value]
 
     def __getitem__(self, trials) -> "Features":
-        """The features of a subset of the trials (a slice, index or mask)."""
-        return Features(self.q[trials], self.v[trials], self.y[trials])
+        """The features of a subset of the trials (a slice, index or mask); the same object
+        for the same slice (a chunk of trials), so that what it remembers is shared."""
+        if not isinstance(trials, slice):
+            return Features(self.q[trials], self.v[trials], self.y[trials])
+        key = (trials.start, trials.stop, trials.step)
+        if key not in self._slices:
+            self._slices[key] = Features(self.q[trials], self.v[trials], self.y[trials])
+        return self._slices[key]
 
     def reshape(self, *shape: int) -> "Features":
         """The same prompts with leading dimensions ``shape`` (e.g. trials x prompts)."""
@@ -53,9 +65,16 @@ class Features:
         return (self.q.unsqueeze(-1) * self.v.unsqueeze(-2)).reshape(B, N, D * D)
 
     def gram(self) -> Tensor:
-        """(1/N) sum_k vec(Z_k) vec(Z_k)^T: (B, D^2, D^2)."""
+        """(1/N) sum_k vec(Z_k) vec(Z_k)^T: (B, D^2, D^2). Remembered when it is no larger
+        than the features it summarises (D^4 <= N (2D + 1)), so memory at most doubles."""
+        if self._gram is not None:
+            return self._gram
         z = self.flat()
-        return z.mT @ z / z.shape[1]
+        H = z.mT @ z / z.shape[1]
+        B, N, D = self.shape
+        if D**4 <= N * (2 * D + 1):
+            self._gram = H
+        return H
 
     def kernel(self) -> Tensor:
         """K_jk = <Z_j, Z_k> = (q_j.q_k)(v_j.v_k): (B, N, N)."""

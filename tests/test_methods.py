@@ -32,6 +32,18 @@ def test_features_match_the_dense_definition():
     assert torch.allclose(f.kernel(), flat @ flat.mT)
 
 
+def test_a_chunks_gram_is_computed_once_and_only_when_small():
+    f = random_features(trials=6, N=40, D=3)
+    chunk = f[2:5]
+    assert f[2:5] is chunk  # one object per chunk, so what it remembers is shared
+    H = chunk.gram()
+    assert chunk.gram() is H and f[2:5].gram() is H
+    assert torch.allclose(H, f.gram()[2:5])
+    assert f[torch.tensor([2, 3])] is not f[torch.tensor([2, 3])]  # index tensors: fresh features
+    big = random_features(trials=2, N=10, D=3)  # D^4 = 81 > N (2D + 1) = 70: not remembered
+    assert big.gram() is not big.gram()
+
+
 def test_gram_and_factored_gradients_agree():
     f = random_features()
     gamma = torch.randn(6, 4, 3, 3, dtype=D64)
