@@ -82,7 +82,7 @@ def _sphere_prompts(n_prompts: int, L: int, D: int, tau: float, gen, C: float | 
     if wanted is not None:  # filled in increasing position
         kept_x, kept_y, n_kept = torch.empty(len(wanted), D, L + 1), torch.empty(len(wanted), L + 1), 0
     step = _slice_prompts(L, D)
-    scratch = _scratch(scratch, (min(step, total) + _BLOCK) * D * (L + 1))
+    scratch = _scratch(L, D, scratch)
     block = scratch[-_BLOCK * D * (L + 1):].view(_BLOCK, D, L + 1)  # after the slice's tokens
     for start in range(0, total, step):
         m = min(step, total - start)
@@ -126,7 +126,10 @@ def _slice_prompts(L: int, D: int) -> int:
     return max(1, _SLICE // ((L + 1) * D))
 
 
-def _scratch(buffer: Tensor | None, numel: int) -> Tensor:
+def _scratch(L: int, D: int, buffer: Tensor | None = None) -> Tensor:
+    """Float32 room for one slice of tokens and one block of temporaries: ``buffer`` when it is
+    large enough, else a new one."""
+    numel = (_slice_prompts(L, D) + _BLOCK) * D * (L + 1)
     return buffer if buffer is not None and buffer.numel() >= numel else torch.empty(numel)
 
 
@@ -150,7 +153,7 @@ def synthetic(const: Constants, *, trials: int, n_test: int, seed: int, chunk: i
         index = None
         if keep:
             index = torch.rand(b, N, generator=rng.generator(seed, "attack", i)).argsort(-1)[:, :keep]
-        local.scratch = _scratch(getattr(local, "scratch", None), (_slice_prompts(L, D) + _BLOCK) * D * (L + 1))
+        local.scratch = _scratch(L, D, getattr(local, "scratch", None))
         train, test = out["train"][rows], out["test"][rows]
         nc, kept = _sphere_prompts(N, L, D, const.tau, rng.generator(seed, "train", i), C, train,
                                    out["clipped"][rows], index, local.scratch)
