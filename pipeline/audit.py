@@ -18,8 +18,20 @@ For each private mechanism (``audit.methods``, default every private one configu
    bound on the mechanism's eps at ``audit.confidence``: any (eps, delta)-DP mechanism has
    P[M(D) in S] <= e^eps P[M(D') in S] + delta for every S.
 
-The verdict is ``violation`` when eps_lower exceeds the claimed ``privacy.eps``, else
-``consistent``. Every mechanism gets its own MLflow run (tag kind=audit) with its parameters,
+The verdict is ``violation`` when eps_lower exceeds the claimed ``privacy.eps``: a proof, whatever
+the run count. Otherwise it is ``consistent`` only if the audit had the power to show a violation,
+and ``inconclusive (too few runs: ...)`` where it had not. Two numbers decide, both from the
+held-out run count n alone:
+
+- ``eps_ceiling``: the largest bound n runs can ever give, that of perfect separation (every "in"
+  run in the region, none of the others);
+- ``eps_power``: the bound the audit would reach (at expected counts) against a Gaussian mechanism,
+  the shape of every audited mechanism's noise, whose true eps is ``audit.power_factor`` times the
+  claim. Where even that clear a violation would not be shown (eps_power <= claimed eps), a quiet
+  audit says nothing. With the defaults and a claim of 1: 2,000 runs give eps_ceiling 6.2 but
+  eps_power 0.62 (inconclusive); 100,000 runs give 10.1 and 1.27 (a 2x violation would be caught).
+
+Every mechanism gets its own MLflow run (tag kind=audit) with its parameters,
 the bound, the counts and a histogram of the statistic; ``audit.csv`` in the Hydra run folder
 holds one row per mechanism.
 """
@@ -38,9 +50,9 @@ import numpy as np
 import pandas as pd
 import torch
 from omegaconf import DictConfig, OmegaConf
-from scipy.stats import beta
+from scipy.stats import beta, norm
 
-from pipeline import cell, config, plot, tracking
+from pipeline import cell, config, plot, privacy, tracking
 from pipeline.config import ConfigError
 from pipeline.data import Problem
 from pipeline.features import Features
@@ -59,6 +71,7 @@ class Bound:
     tpr: float  # held-out share of the "in" set's runs in the region
     fpr: float  # held-out share of the other set's runs in the region
     held_out: int  # runs per set the counts come from
+    eps_ceiling: float  # the largest bound these held-out runs could give (perfect separation)
 
 
 def clopper_pearson(k: np.ndarray, n: int, level: float) -> tuple[np.ndarray, np.ndarray]:
@@ -88,6 +101,37 @@ def _regions(s_in: np.ndarray, s_out: np.ndarray, thresholds: np.ndarray):
     yield "below", "canary", a_below, b_below
     yield "above", "neighbour", b_above, a_above
     yield "below", "neighbour", b_below, a_below
+
+
+def eps_ceiling(n: int, *, delta: float, confidence: float = 0.95) -> float:
+    """The largest lower bound an audit with ``n`` held-out runs per set can report: the bound of
+    perfect separation, TPR_low = (1 - level)^(1/n) and FPR_high = 1 - (1 - level)^(1/n)."""
+    level = 1 - (1 - confidence) / 2
+    lo, _ = clopper_pearson(np.array([n]), n, level)
+    _, hi = clopper_pearson(np.array([0]), n, level)
+    return max(0.0, float(_log_ratio(lo, hi, delta)[0]))
+
+
+def eps_power(n: int, eps_alt: float, *, delta: float, confidence: float = 0.95, grid: int = 4000) -> float:
+    """The bound an audit with ``n`` held-out runs per set reaches, at expected counts and its best
+    threshold, against the Gaussian mechanism that is exactly (eps_alt, delta)-DP (unit noise, shift
+    mu = 1 / its noise multiplier): how large a violation the audit can show at all."""
+    mu = 1.0 / privacy.gaussian_multiplier(eps=eps_alt, delta=delta)
+    level = 1 - (1 - confidence) / 2
+    t = np.linspace(-4.0, mu + 9.0, grid)
+    lo, _ = clopper_pearson(np.round(n * norm.sf(t - mu)), n, level)
+    _, hi = clopper_pearson(np.round(n * norm.sf(t)), n, level)
+    return max(0.0, float(_log_ratio(lo, hi, delta).max()))
+
+
+def verdict(bound: Bound, claimed_eps: float, power: float) -> str:
+    """``violation`` (a proof), ``consistent`` (no violation found, and the audit could have found
+    one: ``power`` > claimed eps), or ``inconclusive (...)``."""
+    if bound.eps_lower > claimed_eps:
+        return "violation"
+    if power <= claimed_eps or bound.eps_ceiling <= claimed_eps:
+        return f"inconclusive (too few runs: at most {bound.eps_ceiling:.3g} provable, {power:.3g} for a clear violation)"
+    return "consistent"
 
 
 def eps_lower_bound(s_canary: np.ndarray, s_neighbour: np.ndarray, *, delta: float, confidence: float = 0.95,
@@ -120,7 +164,8 @@ def eps_lower_bound(s_canary: np.ndarray, s_neighbour: np.ndarray, *, delta: flo
     tpr, fpr = k_in / n, k_out / n
     estimate = math.log((tpr - delta) / fpr) if tpr > delta and fpr > 0 else (math.inf if tpr > delta else 0.0)
     return Bound(eps_lower=max(0.0, float(_log_ratio(lo, hi, delta)[0])), eps_estimate=estimate,
-                 threshold=float(t), region=region, positive=positive, tpr=tpr, fpr=fpr, held_out=n)
+                 threshold=float(t), region=region, positive=positive, tpr=tpr, fpr=fpr, held_out=n,
+                 eps_ceiling=eps_ceiling(n, delta=delta, confidence=confidence))
 
 
 def canary(const: config.Constants, runs: int, dtype: torch.dtype, *, neighbour: bool) -> Problem:
@@ -160,6 +205,8 @@ def validate(cfg: DictConfig) -> tuple[config.Constants, list[str]]:
         raise ConfigError(f"audit.select_fraction must lie in (0, 1), got {a.select_fraction!r}")
     if not 0 < a.confidence < 1:
         raise ConfigError(f"audit.confidence must lie in (0, 1), got {a.confidence!r}")
+    if isinstance(a.power_factor, bool) or not isinstance(a.power_factor, (int, float)) or not a.power_factor > 1:
+        raise ConfigError(f"audit.power_factor must be a number > 1, got {a.power_factor!r}")
     if isinstance(a.noise_scale, bool) or not isinstance(a.noise_scale, (int, float)) or not a.noise_scale > 0:
         raise ConfigError(f"audit.noise_scale must be a positive number, got {a.noise_scale!r}")
     return const, audited(cfg)
@@ -197,21 +244,23 @@ def audit_one(name: str, const: config.Constants, cfg: DictConfig, out: Path) ->
         s_first, s_second = statistic(first, second, n_sel)
         bound = eps_lower_bound(s_first, s_second, delta=delta, confidence=float(a.confidence),
                                 select_fraction=float(a.select_fraction))
-        verdict = "violation" if bound.eps_lower > eps else "consistent"
+        power = eps_power(bound.held_out, float(a.power_factor) * eps, delta=delta, confidence=float(a.confidence))
+        outcome = verdict(bound, eps, power)
         row = {"method": name, "eps": eps, "delta": delta, "runs": runs, "noise_scale": float(a.noise_scale),
-               "N": const.N, "D": const.D, **asdict(bound), "verdict": verdict}
-        tracking.log_params("audit", {k: v for k, v in row.items() if k not in ("eps_lower", "eps_estimate", "tpr", "fpr")}
+               "N": const.N, "D": const.D, **asdict(bound), "eps_power": power, "verdict": outcome}
+        tracking.log_params("audit", {k: v for k, v in row.items() if k not in ("eps_lower", "eps_estimate", "eps_ceiling", "eps_power", "tpr", "fpr")}
                             | {"confidence": a.confidence, "select_fraction": a.select_fraction})
         tracking.log_params("train", const.as_params())
         tracking.log_params(f"train.{name}", params)
         tracking.log_metrics("audit", {"eps_lower": bound.eps_lower, "eps_estimate": min(bound.eps_estimate, 1e6),
-                                       "tpr": bound.tpr, "fpr": bound.fpr, "claimed_eps": eps})
-        mlflow.set_tag("verdict", verdict)
+                                       "tpr": bound.tpr, "fpr": bound.fpr, "claimed_eps": eps,
+                                       "eps_ceiling": bound.eps_ceiling, "eps_power": power})
+        mlflow.set_tag("verdict", outcome)
         held = slice(n_sel, None)
         fig = plot.audit_histogram(s_first[held], s_second[held], bound, row, out / f"audit_{name}.png")
         mlflow.log_artifact(str(fig))
     log.info("audit %s: eps >= %.3g at %.0f%% confidence (claimed %g): %s", name, bound.eps_lower,
-             100 * a.confidence, eps, verdict.upper())
+             100 * a.confidence, eps, outcome.upper())
     return row
 
 
@@ -225,7 +274,7 @@ def run(cfg: DictConfig) -> pd.DataFrame:
     rows = [audit_one(name, const, cfg, out) for name in names]
     table = pd.DataFrame(rows)
     table.to_csv(out / "audit.csv", index=False)
-    shown = table[["method", "eps", "delta", "noise_scale", "runs", "eps_lower", "tpr", "fpr", "verdict"]]
+    shown = table[["method", "eps", "delta", "noise_scale", "runs", "eps_lower", "eps_ceiling", "eps_power", "tpr", "fpr", "verdict"]]
     log.info("audit at %.0f%% confidence:\n%s\nwrote %s", 100 * cfg.audit.confidence,
              shown.to_string(index=False, float_format=lambda x: f"{x:.4g}"), out / "audit.csv")
     return table

@@ -99,3 +99,56 @@ def test_audit_refuses_bad_input_before_any_run(tmp_path, override, message):
     assert message in proc.stderr and "error:" in proc.stderr
     assert not (tmp_path / "out" / "audit.csv").exists()
     assert not (tmp_path / "mlflow.db").exists()  # refused before the store was even opened
+
+
+def test_ceiling_is_the_bound_of_perfect_separation():
+    """n held-out runs per set: TPR_low = a^(1/n), FPR_high = 1 - a^(1/n) with a = (1 - 0.95) / 2,
+    and a perfectly separated sample reaches exactly that bound."""
+    n = 180
+    a = 0.025 ** (1 / n)
+    assert audit.eps_ceiling(n, delta=DELTA) == pytest.approx(np.log((a - DELTA) / (1 - a)))
+    gen = np.random.default_rng(0)
+    first, second = 1000 + gen.random(200), gen.random(200)  # 20 selection runs, 180 held out
+    assert audit.eps_lower_bound(first, second, delta=DELTA).eps_lower == pytest.approx(audit.eps_ceiling(n, delta=DELTA))
+
+
+def test_power_matches_a_simulated_audit():
+    """eps_power (expected counts) agrees with the median bound of simulated audits of the same
+    Gaussian mechanism, and grows with the run count."""
+    bounds = [audit.eps_lower_bound(*_gaussian(2.0, 20_000, seed), delta=DELTA).eps_lower for seed in range(5)]
+    assert audit.eps_power(18_000, 2.0, delta=DELTA) == pytest.approx(np.median(bounds), abs=0.15)
+    assert audit.eps_power(1_800, 2.0, delta=DELTA) < audit.eps_power(90_000, 2.0, delta=DELTA)
+
+
+@pytest.mark.parametrize("runs,expected", [(2_000, "inconclusive"), (100_000, "violation")])
+def test_few_runs_are_inconclusive_where_many_prove_a_violation(runs, expected):
+    """Halved noise (true eps near 2.3 for a claim of 1): 100,000 runs prove the violation; 2,000 runs
+    find no violation, and the verdict says the audit could not tell instead of 'consistent'."""
+    bound = audit.eps_lower_bound(*_gaussian(1.0, runs, 7, scale=0.5), delta=DELTA)
+    power = audit.eps_power(bound.held_out, 2.0, delta=DELTA)
+    outcome = audit.verdict(bound, 1.0, power)
+    assert outcome.startswith(expected), (bound, power, outcome)
+    if expected == "inconclusive":
+        assert bound.eps_lower <= 1.0 and f"at most {bound.eps_ceiling:.3g} provable" in outcome
+
+
+def test_audit_cli_reports_inconclusive_for_a_small_audit(tmp_path):
+    """The appendix-B calibration, proven in violation at 100,000 runs (README), audited with 2,000
+    runs: 'inconclusive' in the console, audit.csv and the MLflow tag, with the ceiling logged."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    store = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    proc = subprocess.run([sys.executable, "-m", "pipeline.audit", "audit.methods=[dp_ridge_paper]", "audit.runs=2000",
+                           f"mlflow.tracking_uri={store}", f"hydra.run.dir={tmp_path / 'out'}"],
+                          cwd=root, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    row = pd.read_csv(tmp_path / "out" / "audit.csv").iloc[0]
+    assert row["verdict"].startswith("inconclusive (too few runs: at most 6.19 provable"), row["verdict"]
+    assert "INCONCLUSIVE" in proc.stderr + proc.stdout
+    mlflow.set_tracking_uri(store)
+    runs = mlflow.search_runs(search_all_experiments=True, filter_string="tags.kind = 'audit'")
+    assert runs["tags.verdict"].iloc[0] == row["verdict"]
+    assert runs["metrics.audit.eps_ceiling"].iloc[0] == pytest.approx(6.189, abs=1e-3)
