@@ -29,6 +29,8 @@ from hydra.core.config_store import ConfigStore
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from omegaconf import OmegaConf, open_dict, read_write
 
+import pipeline  # noqa: F401  registers ${uid:} wherever Hydra loads its plugins (compose() included)
+
 log = logging.getLogger(__name__)
 
 
@@ -120,9 +122,9 @@ class ValidatingSweeper(BasicSweeper):
             killed = tracking.end_running(self.config, tracking.SWEEP_TAG, self.sweep_id, "KILLED")
             log.warning("sweep %s stopped (%s); %d RUNNING run(s) marked KILLED", self.sweep_id,
                         type(interrupt).__name__, killed)
-            if isinstance(interrupt, tracking.Terminated):
-                sys.exit(143)
-            raise
+            _error(f"sweep {sweep_dir} {'terminated' if isinstance(interrupt, tracking.Terminated) else 'interrupted'}; "
+                   f"resume it with the same command and hydra.sweep.dir={_quote(str(sweep_dir))} hydra.sweeper.resume=true",
+                   143 if isinstance(interrupt, tracking.Terminated) else 130)
         except Exception as err:  # a launcher that lost a job (a worker killed, a cluster job gone)
             crashed = f"{type(err).__name__}: {err}"
             log.error("the launcher stopped: %s", crashed)
