@@ -154,6 +154,13 @@ def _descendants(pid):
     return found
 
 
+def _alive(pid):
+    try:
+        return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
 @pytest.mark.skipif(not os.path.isdir("/proc"), reason="reads /proc for the workers")
 def test_sigterm_stops_a_joblib_sweep_its_workers_and_its_runs(tmp_path):
     store = f"sqlite:///{tmp_path / 'mlflow.db'}"
@@ -177,7 +184,9 @@ def test_sigterm_stops_a_joblib_sweep_its_workers_and_its_runs(tmp_path):
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
-    time.sleep(1)
-    assert not [pid for pid in workers if os.path.exists(f"/proc/{pid}")]
+    deadline = time.time() + 20  # the workers go with it (left alone they ran on for minutes)
+    while time.time() < deadline and [pid for pid in workers if _alive(pid)]:
+        time.sleep(0.5)
+    assert not [(pid, open(f"/proc/{pid}/cmdline").read()) for pid in workers if _alive(pid)]
     _, found = all_runs(store)
     assert [r.info.status for r in found] == ["KILLED", "KILLED"]
