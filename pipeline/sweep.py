@@ -87,8 +87,6 @@ def summarise(config: DictConfig, sweep_id: str, sweep_dir: Path, cells: Cells) 
         (sweep_dir / "table.md").write_text(markdown)
         artifacts += [str(sweep_dir / "table.csv"), str(sweep_dir / "table.md")]
         log.info("table:\n%s", markdown)
-    if config.report.dir:
-        report(results, config, artifacts)
     tracking.setup(config)
     name = config.get("experiment_name") or f"sweep {config.regime.name}"
     params = {"cells": len(cells.done), "regime": config.regime.name, "sweep_dir": str(sweep_dir)}
@@ -97,4 +95,6 @@ def summarise(config: DictConfig, sweep_id: str, sweep_dir: Path, cells: Cells) 
         params["failed_cells"] = "; ".join(cells.failed)[:6000]
         tags["failed_cells"] = str(len(cells.failed))
     tracking.finish_sweep(sweep_id, name, artifacts, params, [r["run_id"] for r in cells.done], tags)
+    if config.report.dir:  # after the parent run: a report that cannot be written loses nothing else
+        report(results, config, artifacts)
     log.info("sweep of %d cells: wrote %s and %s", len(cells.done), csv, ", ".join(map(str, figs)))
