@@ -55,9 +55,10 @@ def test_runs_and_sweeps_started_together_get_their_own_folders(cfg_for):
 
 def test_failed_cell_resume_and_reuse_of_a_sweep_folder(tmp_path):
     """One sweep folder, three launches: (1) the N = 60 cell fails at run time: the summary holds
-    N = 40, the failed cell is named, exit 1; (2) the same command with resume: N = 40 is skipped,
-    N = 60 runs, a stale RUNNING run of the folder is marked FAILED, the summary covers both;
-    (3) another sweep into the same folder: its summary and report hold only its own cell."""
+    N = 40, the failed cell is named, exit 1; (2) the same command with resume, in joblib workers:
+    N = 40 is skipped, N = 60 runs, a stale RUNNING run of the folder is marked FAILED, the summary
+    covers both; (3) another sweep into the same folder, through submitit: its table, summary and
+    report hold only its own cell."""
     store, sweep, report = f"sqlite:///{tmp_path / 'mlflow.db'}", tmp_path / "sweep", tmp_path / "report"
     common = [*TINY, f"mlflow.tracking_uri={store}", f"hydra.sweep.dir={sweep}", f"report.dir={report}"]
 
@@ -77,7 +78,8 @@ def test_failed_cell_resume_and_reuse_of_a_sweep_folder(tmp_path):
     experiment = client.get_experiment_by_name("noisyhead-icl").experiment_id
     stale = client.create_run(experiment, tags={"kind": "cell", "sweep_dir": str(sweep.resolve())}).info.run_id
 
-    proc = cli(*common, "regime.N=40,60", "hydra.sweeper.resume=true", "-m")
+    proc = cli(*common, "regime.N=40,60", "hydra.sweeper.resume=true", "hydra/launcher=joblib", "hydra.launcher.n_jobs=2",
+               "-m")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert sorted(pd.read_csv(sweep / "results.csv")["N"].unique()) == [40, 60]
     client, found = all_runs(store)
@@ -88,8 +90,10 @@ def test_failed_cell_resume_and_reuse_of_a_sweep_folder(tmp_path):
     assert parent.data.params["cells"] == "2" and "failed_cells" not in parent.data.params
     assert all(r.data.tags["mlflow.parentRunId"] == parent.info.run_id for r in cells)
 
-    proc = cli(*common, "seed=1", "regime.N=40", "-m")
+    proc = cli(*common, "seed=1", "regime.N=40", "report.table={rows:[N],value:excess_risk}",
+               "hydra/launcher=submitit_local", "hydra.launcher.timeout_min=10", "-m")
     assert proc.returncode == 0, proc.stderr[-3000:]
+    assert len((sweep / "table.md").read_text().splitlines()) == 2 + 1
     for table in (sweep / "results.csv", report / "results.csv"):
         results = pd.read_csv(table)
         assert list(results["seed"].unique()) == [1] and list(results["N"].unique()) == [40], table
@@ -97,6 +101,8 @@ def test_failed_cell_resume_and_reuse_of_a_sweep_folder(tmp_path):
     _, found = all_runs(store)
     parent = max((r for r in found if r.data.tags["kind"] == "sweep"), key=lambda r: r.info.start_time)
     assert parent.data.params["cells"] == "1"
+    [cell] = [r for r in found if r.data.tags.get("mlflow.parentRunId") == parent.info.run_id]
+    assert cell.data.params["data.seed"] == "1" and cell.data.tags["sweep"] == parent.data.tags["sweep"]
     assert not [r for r in found if r.info.status == "RUNNING"]
 
 
@@ -107,6 +113,8 @@ def test_a_failing_end_of_sweep_exits_nonzero_with_one_error_line(run_cli):
     assert proc.returncode == 1
     [line] = error_lines(proc)
     assert "results.csv" in line and "Traceback" not in proc.stderr
+    _, found = all_runs(run_cli.store)  # the parent run was logged before the report failed
+    assert sorted(r.data.tags["kind"] for r in found if r.info.status == "FINISHED") == ["cell", "sweep"]
 
 
 def test_parallel_jobs_on_a_fresh_default_store_lose_nothing(tmp_path):
@@ -121,24 +129,6 @@ def test_parallel_jobs_on_a_fresh_default_store_lose_nothing(tmp_path):
     assert all(p.returncode == 0 for p in procs), [e[-500:] for e in errors if e]
     _, found = all_runs(f"sqlite:///{tmp_path / 'mlflow.db'}")
     assert sorted(r.data.metrics["cell.job"] for r in found if r.info.status == "FINISHED") == list(range(8))
-
-
-@pytest.mark.parametrize("launcher", [["hydra/launcher=joblib", "hydra.launcher.n_jobs=2"],
-                                      ["hydra/launcher=submitit_local", "hydra.launcher.timeout_min=10"]],
-                         ids=["joblib", "submitit_local"])
-def test_parallel_launchers_summarise_the_sweep(tmp_path, launcher):
-    """Two cells in parallel workers, into the default store and the default sweep folder."""
-    proc = cli(*TINY, "regime.N=40,60", "report.table={rows:[N],value:excess_risk}", *launcher, "-m", cwd=tmp_path)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    [sweep] = (tmp_path / "outputs" / "multirun").iterdir()
-    assert sorted(pd.read_csv(sweep / "results.csv")["N"].unique()) == [40, 60]
-    assert len((sweep / "table.md").read_text().splitlines()) == 2 + 2
-    _, found = all_runs(f"sqlite:///{tmp_path / 'mlflow.db'}")
-    [parent] = [r for r in found if r.data.tags["kind"] == "sweep"]
-    cells = [r for r in found if r.data.tags["kind"] == "cell"]
-    assert len(cells) == 2 and all(r.info.status == "FINISHED" for r in found)
-    assert {r.data.tags["mlflow.parentRunId"] for r in cells} == {parent.info.run_id}
-    assert {r.data.tags["sweep"] for r in found} == {sweep.name.rsplit("_", 1)[1]}
 
 
 def _descendants(pid):
