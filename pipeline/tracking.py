@@ -34,6 +34,7 @@ SWEEP_TAG = "sweep"
 SWEEP_DIR_TAG = "sweep_dir"
 HASH_TAG = "config_hash"
 RECORD = "cell.json"
+TERMINATED = 143  # the exit status of a process stopped by SIGTERM (128 + 15)
 
 
 class Terminated(KeyboardInterrupt):
@@ -93,10 +94,15 @@ def setup(cfg: DictConfig) -> None:
 @contextlib.contextmanager
 def run(name: str, tags: Mapping[str, str]) -> Iterator[mlflow.ActiveRun]:
     """An MLflow run that ends FINISHED, FAILED on an exception, or KILLED on Ctrl-C or SIGTERM
-    (SIGTERM raises ``Terminated`` from before the run is created until it ends)."""
+    (SIGTERM raises ``Terminated`` from before the run is created until it ends, and then exits
+    with status 143, as terminated: Ctrl-C stays a KeyboardInterrupt, 130)."""
     with sigterm_raises():
         try:
             yield mlflow.start_run(run_name=name, tags=dict(tags))
+        except Terminated:
+            if mlflow.active_run() is not None:
+                mlflow.end_run(RunStatus.to_string(RunStatus.KILLED))
+            raise SystemExit(TERMINATED) from None
         except KeyboardInterrupt:
             if mlflow.active_run() is not None:
                 mlflow.end_run(RunStatus.to_string(RunStatus.KILLED))

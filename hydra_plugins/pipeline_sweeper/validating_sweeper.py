@@ -118,13 +118,17 @@ class ValidatingSweeper(BasicSweeper):
                     batch = self.get_job_batch()
                     returns.append(self.launcher.launch(batch, initial_job_idx=initial_job_idx))
                     initial_job_idx += len(batch)
-        except KeyboardInterrupt as interrupt:
+        except (KeyboardInterrupt, SystemExit) as stop:  # Ctrl-C; SIGTERM here or in a cell (exit 143)
             killed = tracking.end_running(self.config, tracking.SWEEP_TAG, self.sweep_id, "KILLED")
             log.warning("sweep %s stopped (%s); %d RUNNING run(s) marked KILLED", self.sweep_id,
-                        type(interrupt).__name__, killed)
-            _error(f"sweep {sweep_dir} {'terminated' if isinstance(interrupt, tracking.Terminated) else 'interrupted'}; "
-                   f"resume it with the same command and hydra.sweep.dir={_quote(str(sweep_dir))} hydra.sweeper.resume=true",
-                   143 if isinstance(interrupt, tracking.Terminated) else 130)
+                        type(stop).__name__, killed)
+            terminated = isinstance(stop, tracking.Terminated) or \
+                (isinstance(stop, SystemExit) and stop.code == tracking.TERMINATED)
+            if isinstance(stop, SystemExit) and not terminated:
+                raise
+            _error(f"sweep {sweep_dir} {'terminated' if terminated else 'interrupted'}; resume it with the same "
+                   f"command and hydra.sweep.dir={_quote(str(sweep_dir))} hydra.sweeper.resume=true",
+                   tracking.TERMINATED if terminated else 130)
         except Exception as err:  # a launcher that lost a job (a worker killed, a cluster job gone)
             crashed = f"{type(err).__name__}: {err}"
             log.error("the launcher stopped: %s", crashed)
