@@ -65,9 +65,7 @@ def _store_lock(uri: str) -> Iterator[None]:
         return
     import fcntl
 
-    from sqlalchemy.engine import make_url
-
-    db = make_url(uri).database
+    db = uri[len("sqlite:///"):].split("?", 1)[0]  # sqlite:///relative.db, sqlite:////absolute.db
     if not db or db == ":memory:":
         yield
         return
