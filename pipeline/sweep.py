@@ -1,28 +1,52 @@
-"""Hydra callback that turns the cells of a multirun into one result.
+"""The end of a sweep: its cells' results as one table, figure, report and parent MLflow run.
 
-At the start of a sweep it names the sweep (cells tag their MLflow runs with it);
-at the end it concatenates the cells' ``results.csv`` into the sweep folder, draws
-the sweep's figure there, and logs both to a parent MLflow run that the cells are
-attached to.
+The sweeper (``hydra_plugins/pipeline_sweeper``) knows the sweep's id and its job list; once
+the cells have run it calls ``collect`` (the ``cell.json`` records that cells of *this* sweep
+wrote, matched to the job list: a folder re-used from an earlier sweep contributes nothing)
+and ``summarise`` (concatenate the cells' ``results.csv`` into the sweep folder, draw the
+sweep's figure, write the table and ``report.dir``, and log all of it to a parent MLflow run
+that the cells are attached to). Another kind of task can plug in its own ``summarise``.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import os
 import shutil
-import uuid
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Sequence
 
 import pandas as pd
-from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
 from pipeline import cell, plot, tracking
 
 log = logging.getLogger(__name__)
+
+
+@dataclass
+class Cells:
+    """The cells of one sweep: the records of those that finished (job order), the others' overrides."""
+    done: list[dict] = field(default_factory=list)
+    failed: list[str] = field(default_factory=list)
+
+
+def collect(sweep_dir: Path, sweep_id: str, jobs: Sequence[Sequence[str]]) -> Cells:
+    """Match the job list to the ``cell.json`` records tagged with this sweep's id."""
+    found: dict[tuple[str, ...], dict] = {}
+    for path in Path(sweep_dir).rglob(tracking.RECORD):
+        record = tracking.read_record(path.parent)
+        if record and record.get("sweep") == sweep_id and record.get("status") == "FINISHED":
+            found[tuple(record.get("overrides") or ())] = record | {"folder": str(path.parent)}
+    cells = Cells()
+    for job in jobs:
+        record = found.get(tuple(job))
+        if record is None:
+            cells.failed.append(" ".join(job))
+        else:
+            cells.done.append(record)
+    return cells
 
 
 def report(results: pd.DataFrame, config: DictConfig, artifacts: list[str]) -> None:
@@ -44,36 +68,33 @@ def report(results: pd.DataFrame, config: DictConfig, artifacts: list[str]) -> N
     (out / "metrics.json").write_text(json.dumps(metrics, indent=2, sort_keys=True) + "\n")
 
 
-class SweepCallback(Callback):
-    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
-        os.environ[tracking.SWEEP_ENV] = f"{Path(config.hydra.sweep.dir).name}-{uuid.uuid4().hex[:6]}"
-
-    def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
-        sweep = os.environ.pop(tracking.SWEEP_ENV, None)
-        sweep_dir = Path(config.hydra.sweep.dir)
-        frames = [pd.read_csv(p) for p in sorted(sweep_dir.glob("*/results.csv"))]
-        if not frames or sweep is None:
-            return
-        results = pd.concat(frames, ignore_index=True)
-        csv = sweep_dir / "results.csv"
-        results.to_csv(csv, index=False)
-        figs = plot.figures(results, config.plot, sweep_dir, labels=cell.method_labels(config))
-        artifacts = [str(csv), *map(str, figs)]
-        if config.report.table:
-            spec = config.report.table
-            value = spec.value if isinstance(spec.value, str) else list(spec.value)
-            numbers, markdown = plot.table(plot.shown(results, config.plot), list(spec.rows), value,
-                                           labels=cell.method_labels(config))
-            numbers.to_csv(sweep_dir / "table.csv", index=False)
-            (sweep_dir / "table.md").write_text(markdown)
-            artifacts += [str(sweep_dir / "table.csv"), str(sweep_dir / "table.md")]
-            log.info("table:\n%s", markdown)
-        if config.report.dir:
-            report(results, config, artifacts)
-        tracking.setup(config)
-        name = config.get("experiment_name") or f"sweep {config.regime.name}"
-        tracking.finish_sweep(
-            sweep, name, artifacts,
-            params={"cells": len(frames), "regime": config.regime.name, "sweep_dir": str(sweep_dir)},
-        )
-        log.info("sweep of %d cells: wrote %s and %s", len(frames), csv, ", ".join(map(str, figs)))
+def summarise(config: DictConfig, sweep_id: str, sweep_dir: Path, cells: Cells) -> None:
+    """The sweep's table, figure, report and parent run, from the cells that finished."""
+    if not cells.done:
+        return
+    sweep_dir = Path(sweep_dir)
+    results = pd.concat([pd.read_csv(Path(r["folder"]) / "results.csv") for r in cells.done], ignore_index=True)
+    csv = sweep_dir / "results.csv"
+    results.to_csv(csv, index=False)
+    figs = plot.figures(results, config.plot, sweep_dir, labels=cell.method_labels(config))
+    artifacts = [str(csv), *map(str, figs)]
+    if config.report.table:
+        spec = config.report.table
+        value = spec.value if isinstance(spec.value, str) else list(spec.value)
+        numbers, markdown = plot.table(plot.shown(results, config.plot), list(spec.rows), value,
+                                       labels=cell.method_labels(config))
+        numbers.to_csv(sweep_dir / "table.csv", index=False)
+        (sweep_dir / "table.md").write_text(markdown)
+        artifacts += [str(sweep_dir / "table.csv"), str(sweep_dir / "table.md")]
+        log.info("table:\n%s", markdown)
+    tracking.setup(config)
+    name = config.get("experiment_name") or f"sweep {config.regime.name}"
+    params = {"cells": len(cells.done), "regime": config.regime.name, "sweep_dir": str(sweep_dir)}
+    tags = {tracking.SWEEP_DIR_TAG: str(Path(sweep_dir).resolve())}
+    if cells.failed:
+        params["failed_cells"] = "; ".join(cells.failed)[:6000]
+        tags["failed_cells"] = str(len(cells.failed))
+    tracking.finish_sweep(sweep_id, name, artifacts, params, [r["run_id"] for r in cells.done], tags)
+    if config.report.dir:  # after the parent run: a report that cannot be written loses nothing else
+        report(results, config, artifacts)
+    log.info("sweep of %d cells: wrote %s and %s", len(cells.done), csv, ", ".join(map(str, figs)))

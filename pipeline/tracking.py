@@ -2,66 +2,205 @@
 
 - One MLflow run per cell (one Hydra job). Parameters and metrics carry the name
   of the step that produced them: ``data.*``, ``train.*``, ``evaluate.*``.
-- The cells of one Hydra sweep share the tag ``sweep``; when the sweep ends, a
-  parent run holds the sweep's ``results.csv`` and figure, and the cells are
-  attached to it (``mlflow.parentRunId``), so the UI shows them side by side.
+- The cells of one Hydra sweep share the tag ``sweep`` (the sweep's id) and ``sweep_dir``;
+  when the sweep ends, a parent run holds the sweep's ``results.csv`` and figure, and the
+  cells are attached to it (``mlflow.parentRunId``), so the UI shows them side by side.
 - A run that raises is ended as FAILED (KILLED on Ctrl-C or SIGTERM): none is left RUNNING.
+  A cell's job folder gets a ``cell.json`` once its run FINISHED (run id, config hash, sweep id):
+  the sweep's summary reads only the records of its own sweep, and a resumed sweep skips
+  the cells whose record matches their config.
+- A sqlite store (MLflow's default ``./mlflow.db``) is created and migrated by one process
+  at a time (a file lock next to it), so parallel jobs on a fresh store lose nothing.
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import json
 import os
 import signal
 import threading
 import time
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Iterator, Mapping
 
 import mlflow
 from mlflow.entities import Metric, RunStatus
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 SWEEP_TAG = "sweep"
-SWEEP_ENV = "PIPELINE_SWEEP_ID"
+SWEEP_DIR_TAG = "sweep_dir"
+HASH_TAG = "config_hash"
+RECORD = "cell.json"
+TERMINATED = 143  # the exit status of a process stopped by SIGTERM (128 + 15)
 
 
-def setup(cfg: DictConfig) -> None:
-    """Point MLflow at the configured store (null: MLflow's default, ./mlflow.db) and experiment."""
-    if cfg.mlflow.tracking_uri:
-        mlflow.set_tracking_uri(cfg.mlflow.tracking_uri)
-    mlflow.set_experiment(cfg.mlflow.experiment)
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised where the process is (ends runs as KILLED, like Ctrl-C)."""
 
 
-def _interrupt(signum, frame):
-    raise KeyboardInterrupt(f"signal {signum}")
+def _terminate(signum, frame):
+    raise Terminated(f"signal {signum}")
 
 
 @contextlib.contextmanager
-def run(name: str, tags: Mapping[str, str]) -> Iterator[mlflow.ActiveRun]:
-    """An MLflow run that ends FINISHED, FAILED on an exception, or KILLED on Ctrl-C or SIGTERM
-    (SIGTERM is turned into KeyboardInterrupt from before the run is created until it ends)."""
+def sigterm_raises() -> Iterator[None]:
+    """Within the block (main thread only), SIGTERM raises ``Terminated``."""
     main = threading.current_thread() is threading.main_thread()
-    previous = signal.signal(signal.SIGTERM, _interrupt) if main else None
+    previous = signal.signal(signal.SIGTERM, _terminate) if main else None
     try:
-        yield mlflow.start_run(run_name=name, tags=dict(tags))
-    except KeyboardInterrupt:
-        if mlflow.active_run() is not None:
-            mlflow.end_run(RunStatus.to_string(RunStatus.KILLED))
-        raise
-    except BaseException:
-        if mlflow.active_run() is not None:
-            mlflow.end_run(RunStatus.to_string(RunStatus.FAILED))
-        raise
-    else:
-        mlflow.end_run(RunStatus.to_string(RunStatus.FINISHED))
+        yield
     finally:
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)
 
 
-def sweep_id() -> str | None:
-    return os.environ.get(SWEEP_ENV)
+@contextlib.contextmanager
+def _store_lock(uri: str) -> Iterator[None]:
+    """Hold an exclusive lock next to a sqlite store (no-op for other stores)."""
+    if not uri.startswith("sqlite:///"):
+        yield
+        return
+    import fcntl
 
+    db = uri[len("sqlite:///"):].split("?", 1)[0]  # sqlite:///relative.db, sqlite:////absolute.db
+    if not db or db == ":memory:":
+        yield
+        return
+    lock = Path(db).with_name(Path(db).name + ".lock")
+    lock.parent.mkdir(parents=True, exist_ok=True)
+    with open(lock, "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def setup(cfg: DictConfig) -> None:
+    """Point MLflow at the configured store (null: MLflow's default, ./mlflow.db) and experiment.
+    Creating and migrating a sqlite store, and creating the experiment, happen under a file lock:
+    MLflow's migrations are not safe when several processes open a fresh store at once."""
+    if cfg.mlflow.tracking_uri:
+        mlflow.set_tracking_uri(cfg.mlflow.tracking_uri)
+    with _store_lock(mlflow.get_tracking_uri()):
+        mlflow.set_experiment(cfg.mlflow.experiment)
+
+
+@contextlib.contextmanager
+def run(name: str, tags: Mapping[str, str]) -> Iterator[mlflow.ActiveRun]:
+    """An MLflow run that ends FINISHED, FAILED on an exception, or KILLED on Ctrl-C or SIGTERM
+    (SIGTERM raises ``Terminated`` from before the run is created until it ends, and then exits
+    with status 143, as terminated: Ctrl-C stays a KeyboardInterrupt, 130)."""
+    with sigterm_raises():
+        try:
+            yield mlflow.start_run(run_name=name, tags=dict(tags))
+        except Terminated:
+            if mlflow.active_run() is not None:
+                mlflow.end_run(RunStatus.to_string(RunStatus.KILLED))
+            raise SystemExit(TERMINATED) from None
+        except KeyboardInterrupt:
+            if mlflow.active_run() is not None:
+                mlflow.end_run(RunStatus.to_string(RunStatus.KILLED))
+            raise
+        except BaseException:
+            if mlflow.active_run() is not None:
+                mlflow.end_run(RunStatus.to_string(RunStatus.FAILED))
+            raise
+        else:
+            mlflow.end_run(RunStatus.to_string(RunStatus.FINISHED))
+
+
+# --- sweeps ------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Sweep:
+    """What a cell knows of the sweep it belongs to (from Hydra's config of the job)."""
+    id: str
+    dir: str
+    resume: bool
+    overrides: tuple[str, ...]
+
+
+def current_sweep() -> Sweep | None:
+    """The sweep this process runs a cell of, or None (a single run, or no Hydra app)."""
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    try:
+        hc = HydraConfig.get()
+    except ValueError:
+        return None
+    if hc.mode != RunMode.MULTIRUN or not hc.sweeper.get("sweep_id"):
+        return None
+    return Sweep(id=str(hc.sweeper.sweep_id), dir=str(Path(hc.sweep.dir).resolve()),
+                 resume=bool(hc.sweeper.get("resume", False)), overrides=tuple(hc.overrides.task))
+
+
+def config_hash(cfg: DictConfig) -> str:
+    """A digest of the resolved config (Hydra's own settings excluded)."""
+    data = OmegaConf.to_container(cfg, resolve=True)
+    data.pop("hydra", None)
+    return hashlib.sha256(json.dumps(data, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def read_record(folder: Path) -> dict | None:
+    try:
+        return json.loads((Path(folder) / RECORD).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def write_record(folder: Path, record: Mapping[str, object]) -> None:
+    """Write ``cell.json`` atomically (a reader never sees half of it)."""
+    path = Path(folder) / RECORD
+    tmp = path.with_name(f".{RECORD}.{os.getpid()}")
+    tmp.write_text(json.dumps(dict(record), indent=2, sort_keys=True) + "\n")
+    os.replace(tmp, path)
+
+
+def forget_record(folder: Path) -> None:
+    (Path(folder) / RECORD).unlink(missing_ok=True)
+
+
+def _client_and_experiments(cfg: DictConfig) -> tuple[mlflow.MlflowClient, list[str]]:
+    client = mlflow.MlflowClient()
+    experiment = client.get_experiment_by_name(cfg.mlflow.experiment)
+    return client, [experiment.experiment_id] if experiment else []
+
+
+def end_running(cfg: DictConfig, tag: str, value: str, status: str) -> int:
+    """End every RUNNING run tagged ``tag = value`` with ``status``; return how many."""
+    client, experiments = _client_and_experiments(cfg)
+    if not experiments:
+        return 0
+    value = value.replace("'", "\\'")
+    stale = client.search_runs(experiments, filter_string=f"tags.{tag} = '{value}' and attributes.status = 'RUNNING'",
+                               max_results=10000)
+    for found in stale:
+        client.set_terminated(found.info.run_id, status)
+    return len(stale)
+
+
+def finish_sweep(sweep: str, name: str, artifacts: list[str], params: Mapping[str, object],
+                 cells: list[str], tags: Mapping[str, str] | None = None) -> str:
+    """Create the sweep's parent run, log its artifacts, and attach the given cell runs to it
+    (a resumed sweep's cells may come from an earlier launch: they are re-tagged with this sweep)."""
+    with run(name, {SWEEP_TAG: sweep, "kind": "sweep", **(tags or {})}) as parent:
+        mlflow.log_params(params)
+        for path in artifacts:
+            mlflow.log_artifact(path)
+        client = mlflow.MlflowClient()
+        for run_id in cells:
+            client.set_tag(run_id, "mlflow.parentRunId", parent.info.run_id)
+            client.set_tag(run_id, SWEEP_TAG, sweep)
+        mlflow.log_metric("cells", len(cells))
+        return parent.info.run_id
+
+
+# --- logging helpers ---------------------------------------------------------------------------
 
 def log_params(step: str, params: Mapping[str, object]) -> None:
     mlflow.log_params({f"{step}.{k}": v for k, v in params.items()})
@@ -79,20 +218,3 @@ def log_curve(key: str, values: list[float]) -> None:
     client = mlflow.MlflowClient()
     for start in range(0, len(metrics), 1000):
         client.log_batch(run_id, metrics=metrics[start : start + 1000])
-
-
-def finish_sweep(sweep: str, name: str, artifacts: list[str], params: Mapping[str, object]) -> str:
-    """Create the sweep's parent run, log its artifacts, and attach the sweep's cells to it."""
-    with run(name, {SWEEP_TAG: sweep, "kind": "sweep"}) as parent:
-        mlflow.log_params(params)
-        for path in artifacts:
-            mlflow.log_artifact(path)
-        client = mlflow.MlflowClient()
-        experiment = parent.info.experiment_id
-        cells = client.search_runs(
-            [experiment], filter_string=f"tags.{SWEEP_TAG} = '{sweep}' and tags.kind = 'cell'", max_results=10000
-        )
-        for cell in cells:
-            client.set_tag(cell.info.run_id, "mlflow.parentRunId", parent.info.run_id)
-        mlflow.log_metric("cells", len(cells))
-        return parent.info.run_id

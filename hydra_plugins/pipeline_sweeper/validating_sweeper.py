@@ -1,20 +1,71 @@
-"""Hydra's basic sweeper, plus the pipeline's own validation of every cell before any runs.
+"""Hydra's basic sweeper, plus what the pipeline needs around a sweep, under any launcher
+(basic, ``hydra/launcher=joblib``, ``submitit_local``, ``submitit_slurm``):
 
-Hydra already composes each cell of a sweep before launching (catching unknown
-keys and options); this sweeper also runs ``pipeline.config.validate`` on each, so
-a bad value anywhere in a sweep stops it with one message before any compute.
+- every cell is composed and checked by ``pipeline.config.validate`` before any runs, so a bad
+  value anywhere in a sweep stops it with one message before any compute;
+- the MLflow store is created and migrated once, here, before any job starts, and RUNNING runs
+  left by an earlier launch into the same sweep folder are marked FAILED;
+- every cell gets the sweep's id and folder through its Hydra config (``hydra.sweeper.sweep_id``,
+  ``hydra.sweep.dir``, made concrete here), which reaches joblib and submitit workers alike;
+- ``hydra.sweeper.resume=true``: cells whose job folder holds a FINISHED result of the same
+  resolved config are skipped (pipeline/cell.py), the rest run;
+- when the cells are done, ``pipeline.sweep`` writes the table, figure, report and parent run
+  from the cells of this sweep that finished; failed cells are named and the exit status is 1;
+- Ctrl-C or SIGTERM ends the sweep's RUNNING runs as KILLED (joblib's workers are stopped);
+  SIGTERM exits with 143.
+
 It lives in ``hydra_plugins`` because Hydra only loads sweepers from there.
 """
 
-from __future__ import annotations
-
+import logging
+import re
 import sys
-from typing import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Sequence
 
 from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+from hydra.core.config_store import ConfigStore
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from omegaconf import OmegaConf, open_dict, read_write
+
+import pipeline  # noqa: F401  registers ${uid:} wherever Hydra loads its plugins (compose() included)
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class ValidatingSweeperConf:
+    _target_: str = "hydra_plugins.pipeline_sweeper.validating_sweeper.ValidatingSweeper"
+    max_batch_size: Optional[int] = None
+    params: Optional[Dict[str, str]] = None
+    resume: bool = False           # skip cells that FINISHED earlier in this sweep folder with the same config
+    sweep_id: str = "${uid:}"      # tags every cell of this sweep (made concrete before launching)
+
+
+ConfigStore.instance().store(group="hydra/sweeper", name="validating", node=ValidatingSweeperConf,
+                             provider="pipeline")
+
+
+def _quote(value: str) -> str:
+    """A value as a Hydra override can carry it."""
+    if re.fullmatch(r"[\w./~+-]+", value):
+        return value
+    return "'" + value.replace("\\", "\\\\").replace("'", "\\'") + "'"
+
+
+def _error(message: str, status: int) -> None:
+    print(f"error: {message}", file=sys.stderr)
+    sys.exit(status)
 
 
 class ValidatingSweeper(BasicSweeper):
+    def __init__(self, max_batch_size: Optional[int] = None, params: Optional[Dict[str, str]] = None,
+                 resume: bool = False, sweep_id: str = "") -> None:
+        super().__init__(max_batch_size=max_batch_size, params=params)
+        self.resume = resume
+        self.sweep_id = sweep_id
+
     def validate_batch_is_legal(self, batch: Sequence[Sequence[str]]) -> None:
         from pipeline.config import ConfigError, validate
 
@@ -26,3 +77,78 @@ class ValidatingSweeper(BasicSweeper):
             except ConfigError as err:
                 print(f"error: in the sweep cell {' '.join(overrides)}: {err}", file=sys.stderr)
                 sys.exit(2)
+
+    def _pin(self, sweep_dir: Path) -> None:
+        """Make the sweep's id and folder concrete in every cell's config (each launcher composes
+        a cell's config from the master config's Hydra overrides, in its own process)."""
+        with read_write(self.config.hydra), open_dict(self.config.hydra):
+            self.config.hydra.overrides.hydra.extend(
+                [f"hydra.sweeper.sweep_id={self.sweep_id}", f"hydra.sweep.dir={_quote(str(sweep_dir))}"])
+
+    def sweep(self, arguments: List[str]) -> Any:
+        from pipeline import sweep as summary
+        from pipeline import tracking
+
+        assert self.config is not None and self.launcher is not None and self.hydra_context is not None
+        params_conf = self._parse_config()
+        params_conf.extend(arguments)
+        parser = OverridesParser.create(config_loader=self.hydra_context.config_loader)
+        self.overrides = self.split_arguments(parser.parse_overrides(params_conf), self.max_batch_size)
+        for batch in self.overrides:  # every cell, before any runs
+            self.validate_batch_is_legal(batch)
+        jobs = [list(job) for batch in self.overrides for job in batch]
+
+        self.sweep_id = str(self.config.hydra.sweeper.sweep_id)
+        sweep_dir = Path(str(self.config.hydra.sweep.dir)).resolve()
+        self._pin(sweep_dir)
+        sweep_dir.mkdir(parents=True, exist_ok=True)
+        OmegaConf.save(self.config, sweep_dir / "multirun.yaml")
+        tracking.setup(self.config)  # create and migrate the store once, before any job opens it
+        stale = tracking.end_running(self.config, tracking.SWEEP_DIR_TAG, str(sweep_dir), "FAILED")
+        if stale:
+            log.warning("marked %d RUNNING run(s) of an earlier launch into %s as FAILED", stale, sweep_dir)
+        log.info("sweep %s: %d cells into %s%s", self.sweep_id, len(jobs), sweep_dir, " (resume)" if self.resume else "")
+
+        returns = []
+        crashed = None
+        try:
+            with tracking.sigterm_raises():
+                initial_job_idx = 0
+                while not self.is_done():
+                    batch = self.get_job_batch()
+                    returns.append(self.launcher.launch(batch, initial_job_idx=initial_job_idx))
+                    initial_job_idx += len(batch)
+        except (KeyboardInterrupt, SystemExit) as stop:  # Ctrl-C; SIGTERM here or in a cell (exit 143)
+            killed = tracking.end_running(self.config, tracking.SWEEP_TAG, self.sweep_id, "KILLED")
+            log.warning("sweep %s stopped (%s); %d RUNNING run(s) marked KILLED", self.sweep_id,
+                        type(stop).__name__, killed)
+            terminated = isinstance(stop, tracking.Terminated) or \
+                (isinstance(stop, SystemExit) and stop.code == tracking.TERMINATED)
+            if isinstance(stop, SystemExit) and not terminated:
+                raise
+            _error(f"sweep {sweep_dir} {'terminated' if terminated else 'interrupted'}; resume it with the same "
+                   f"command and hydra.sweep.dir={_quote(str(sweep_dir))} hydra.sweeper.resume=true",
+                   tracking.TERMINATED if terminated else 130)
+        except Exception as err:  # a launcher that lost a job (a worker killed, a cluster job gone)
+            crashed = f"{type(err).__name__}: {err}"
+            log.error("the launcher stopped: %s", crashed)
+        for results in returns:
+            for ret in results:
+                if ret.status.name == "FAILED":
+                    err = ret._return_value
+                    log.error("cell %s failed: %s: %s", " ".join(ret.overrides), type(err).__name__, err)
+
+        failed_runs = tracking.end_running(self.config, tracking.SWEEP_TAG, self.sweep_id, "FAILED")
+        if failed_runs:
+            log.warning("marked %d RUNNING run(s) of this sweep as FAILED (their process died)", failed_runs)
+        try:
+            cells = summary.collect(sweep_dir, self.sweep_id, jobs)
+            summary.summarise(self.config, self.sweep_id, sweep_dir, cells)
+        except Exception as err:
+            _error(f"the end of sweep {sweep_dir} failed: {type(err).__name__}: {err}", 1)
+        if cells.failed:
+            _error(f"{len(cells.failed)} of {len(jobs)} cells failed ({'; '.join(cells.failed)}); "
+                   f"the summary in {sweep_dir} holds the {len(cells.done)} that finished", 1)
+        if crashed:
+            _error(f"the launcher stopped: {crashed}", 1)
+        return returns

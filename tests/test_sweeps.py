@@ -1,0 +1,182 @@
+"""Sweeps that never mix, lose or hide results: unique folders, a summary of exactly this sweep's
+cells, failed cells named next to the summary of the others, resume, the default store under
+parallel jobs, the joblib and submitit launchers, SIGTERM."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import mlflow
+import pandas as pd
+import pytest
+
+from conftest import ROOT
+
+TINY = ["trials=2", "regime.N=40", "dataset.n_test=10", "compute.chunk_trials=2", "method=[ridge,noisyhead]"]
+ENV = dict(os.environ, PYTHONWARNINGS="ignore")
+
+# `python -m pipeline`, with the evaluation of every N = 60 cell failing at run time
+FAIL_AT_60 = """
+import sys
+from pipeline import evaluate
+real = evaluate.run
+def run(problem, fits, const, *rest):
+    if const.N == 60:
+        raise RuntimeError("injected failure")
+    return real(problem, fits, const, *rest)
+evaluate.run = run
+import runpy
+runpy.run_module("pipeline", run_name="__main__", alter_sys=True)
+"""
+
+
+def cli(*args, cwd=ROOT, code=None, timeout=600):
+    head = [sys.executable, "-c", code] if code else [sys.executable, "-m", "pipeline"]
+    return subprocess.run([*head, *args], cwd=cwd, capture_output=True, text=True, env=ENV, timeout=timeout)
+
+
+def all_runs(store):
+    client = mlflow.MlflowClient(tracking_uri=store)
+    return client, client.search_runs([e.experiment_id for e in client.search_experiments()], max_results=1000)
+
+
+def error_lines(proc):
+    return [line for line in (proc.stdout + proc.stderr).splitlines() if line.startswith("error:")]
+
+
+def test_runs_and_sweeps_started_together_get_their_own_folders(cfg_for):
+    first, second = cfg_for(hydra=True).hydra, cfg_for(hydra=True).hydra
+    assert first.run.dir != second.run.dir and first.sweep.dir != second.sweep.dir
+    assert first.run.dir.startswith("outputs/runs/") and first.sweep.dir.startswith("outputs/multirun/")
+
+
+def test_failed_cell_resume_and_reuse_of_a_sweep_folder(tmp_path):
+    """One sweep folder, three launches: (1) the N = 60 cell fails at run time: the summary holds
+    N = 40, the failed cell is named, exit 1; (2) the same command with resume, in joblib workers:
+    N = 40 is skipped, N = 60 runs, a stale RUNNING run of the folder is marked FAILED, the summary
+    covers both; (3) another sweep into the same folder, through submitit: its table, summary and
+    report hold only its own cell."""
+    store, sweep, report = f"sqlite:///{tmp_path / 'mlflow.db'}", tmp_path / "sweep", tmp_path / "report"
+    common = [*TINY, f"mlflow.tracking_uri={store}", f"hydra.sweep.dir={sweep}", f"report.dir={report}"]
+
+    proc = cli(*common, "regime.N=40,60", "-m", code=FAIL_AT_60)
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    [line] = error_lines(proc)
+    assert "1 of 2 cells failed" in line and "regime.N=60" in line
+    assert list(pd.read_csv(sweep / "results.csv")["N"].unique()) == [40]
+    assert json.loads((report / "metrics.json").read_text())["cells"] == 1
+    client, found = all_runs(store)
+    [parent] = [r for r in found if r.data.tags["kind"] == "sweep"]
+    assert "regime.N=60" in parent.data.params["failed_cells"] and parent.data.params["cells"] == "1"
+    assert sorted(r.info.status for r in found if r.data.tags["kind"] == "cell") == ["FAILED", "FINISHED"]
+    first_40 = next(r.info.run_id for r in found if r.info.status == "FINISHED" and r.data.tags["kind"] == "cell")
+
+    # a cell of this folder killed with SIGKILL would have left its run RUNNING
+    experiment = client.get_experiment_by_name("noisyhead-icl").experiment_id
+    stale = client.create_run(experiment, tags={"kind": "cell", "sweep_dir": str(sweep.resolve())}).info.run_id
+
+    proc = cli(*common, "regime.N=40,60", "hydra.sweeper.resume=true", "hydra/launcher=joblib", "hydra.launcher.n_jobs=2",
+               "-m")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert sorted(pd.read_csv(sweep / "results.csv")["N"].unique()) == [40, 60]
+    client, found = all_runs(store)
+    assert client.get_run(stale).info.status == "FAILED"
+    cells = [r for r in found if r.data.tags["kind"] == "cell" and r.info.status == "FINISHED"]
+    assert len(cells) == 2 and first_40 in {r.info.run_id for r in cells}  # N = 40 was not recomputed
+    parent = max((r for r in found if r.data.tags["kind"] == "sweep"), key=lambda r: r.info.start_time)
+    assert parent.data.params["cells"] == "2" and "failed_cells" not in parent.data.params
+    assert all(r.data.tags["mlflow.parentRunId"] == parent.info.run_id for r in cells)
+
+    proc = cli(*common, "seed=1", "regime.N=40", "report.table={rows:[N],value:excess_risk}",
+               "hydra/launcher=submitit_local", "hydra.launcher.timeout_min=10", "-m")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert len((sweep / "table.md").read_text().splitlines()) == 2 + 1
+    for table in (sweep / "results.csv", report / "results.csv"):
+        results = pd.read_csv(table)
+        assert list(results["seed"].unique()) == [1] and list(results["N"].unique()) == [40], table
+    assert json.loads((report / "metrics.json").read_text())["cells"] == 1
+    _, found = all_runs(store)
+    parent = max((r for r in found if r.data.tags["kind"] == "sweep"), key=lambda r: r.info.start_time)
+    assert parent.data.params["cells"] == "1"
+    [cell] = [r for r in found if r.data.tags.get("mlflow.parentRunId") == parent.info.run_id]
+    assert cell.data.params["data.seed"] == "1" and cell.data.tags["sweep"] == parent.data.tags["sweep"]
+    assert not [r for r in found if r.info.status == "RUNNING"]
+
+
+def test_a_failing_end_of_sweep_exits_nonzero_with_one_error_line(run_cli):
+    report = run_cli.tmp / "report"
+    (report / "results.csv").mkdir(parents=True)  # the report's table cannot be written
+    proc = run_cli(*TINY, f"report.dir={report}", "-m", expect_ok=False)
+    assert proc.returncode == 1
+    [line] = error_lines(proc)
+    assert "results.csv" in line and "Traceback" not in proc.stderr
+    _, found = all_runs(run_cli.store)  # the parent run was logged before the report failed
+    assert sorted(r.data.tags["kind"] for r in found if r.info.status == "FINISHED") == ["cell", "sweep"]
+
+
+def test_parallel_jobs_on_a_fresh_default_store_lose_nothing(tmp_path):
+    """8 processes open MLflow's default store (./mlflow.db) for the first time at once."""
+    code = ("import sys; from omegaconf import OmegaConf; from pipeline import tracking\n"
+            "tracking.setup(OmegaConf.create({'mlflow': {'tracking_uri': None, 'experiment': 'e'}}))\n"
+            "with tracking.run('job', {'kind': 'cell'}):\n"
+            "    tracking.log_metrics('cell', {'job': float(sys.argv[1])})\n")
+    procs = [subprocess.Popen([sys.executable, "-c", code, str(i)], cwd=tmp_path, env=ENV,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True) for i in range(8)]
+    errors = [p.communicate(timeout=300)[1] for p in procs]
+    assert all(p.returncode == 0 for p in procs), [e[-500:] for e in errors if e]
+    _, found = all_runs(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    assert sorted(r.data.metrics["cell.job"] for r in found if r.info.status == "FINISHED") == list(range(8))
+
+
+def _descendants(pid):
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = open(f"/proc/{entry}/stat").read()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                found += [int(entry), *_descendants(int(entry))]
+    return found
+
+
+def _alive(pid):
+    try:
+        return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="reads /proc for the workers")
+def test_sigterm_stops_a_joblib_sweep_its_workers_and_its_runs(tmp_path):
+    store = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    cmd = [sys.executable, "-m", "pipeline", f"mlflow.tracking_uri={store}", f"hydra.sweep.dir={tmp_path / 'sweep'}",
+           "regime=overparam", "trials=400", "regime.N=1000,1001", "hydra/launcher=joblib", "hydra.launcher.n_jobs=2", "-m"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)
+    deadline = time.time() + 300
+    while time.time() < deadline and proc.poll() is None:  # until both cells are inside their runs
+        time.sleep(0.5)
+        try:
+            if sum("data.seed" in r.data.params for r in all_runs(store)[1]) == 2:
+                break
+        except Exception:  # the store is still being created
+            continue
+    workers = _descendants(proc.pid)
+    assert workers
+    os.kill(proc.pid, signal.SIGTERM)
+    try:
+        assert proc.wait(timeout=60) == 143
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    deadline = time.time() + 20  # the workers go with it (left alone they ran on for minutes)
+    while time.time() < deadline and [pid for pid in workers if _alive(pid)]:
+        time.sleep(0.5)
+    assert not [(pid, open(f"/proc/{pid}/cmdline").read()) for pid in workers if _alive(pid)]
+    _, found = all_runs(store)
+    assert [r.info.status for r in found] == ["KILLED", "KILLED"]
