@@ -118,8 +118,8 @@ def derive(regime: DictConfig) -> Constants:
         R = r_scale * C**2 * math.sqrt(N / L) * (1 + (math.log(1 / kappa) / D**2) ** 0.25)
     for name, value in (("C", C), ("G", G), ("R", R)):
         if not math.isfinite(value) or not math.isfinite(value * value):
-            raise ConfigError(f"regime.{name} = {value:.6g} by its rule (regime.N = {N}, L = {L}, D = {D}) "
-                              "is too large to compute with")
+            how = "" if regime[name] is not None else f" by its rule (regime.N = {N}, L = {L}, D = {D})"
+            raise ConfigError(f"regime.{name} = {value:.6g}{how} is too large to compute with (its square overflows)")
     if regime.eta0 is not None:
         eta0 = _positive(regime.eta0, "regime.eta0")
         culprit = f"regime.eta0 = {eta0:.6g} gives"
@@ -275,7 +275,7 @@ def _check_privacy(cfg: DictConfig) -> None:
 
 
 PLOT_MEASURES = ("excess_risk", "test_mse", "attack_risk")
-PLOT_AXES = ("auto", "N", "T", "eps")
+PLOT_COMMON = (None, "auto", "none", "N", "T", "eps", "method")  # columns and choices most plots use
 PLOT_ERROR_BARS = ("sd", "log_sd")
 PLOT_SCALES = ("linear", "log", "symlog", "logit")
 
@@ -294,20 +294,21 @@ def _check_report(cfg: DictConfig) -> None:
             raise ConfigError(f"plot.y {y!r} is unknown; known: {list(PLOT_MEASURES)}")
         if y == "attack_risk" and cfg.attack.name == "none":
             raise ConfigError("plot.y attack_risk needs an attack (attack=perturb); with attack=none there is none")
-    if plot.x not in PLOT_AXES:
-        raise ConfigError(f"plot.x {plot.x!r} is unknown; known: {list(PLOT_AXES)}")
     if plot.error_bars not in PLOT_ERROR_BARS:
         raise ConfigError(f"plot.error_bars {plot.error_bars!r} is unknown; known: {list(PLOT_ERROR_BARS)}")
     if plot.yscale not in PLOT_SCALES:
         raise ConfigError(f"plot.yscale {plot.yscale!r} is unknown; known: {list(PLOT_SCALES)}")
     if _number(plot.k_sd, "plot.k_sd") < 0:
         raise ConfigError(f"plot.k_sd must be >= 0, got {plot.k_sd!r}")
-    from pipeline.evaluate import COLUMNS
+    for key, allowed in (("x", ("auto",)), ("hue", (None, "auto")), ("facet", (None, "none"))):
+        value = plot[key]
+        if value in allowed or (value in PLOT_COMMON and value not in (None, "auto", "none")):
+            continue
+        from pipeline.evaluate import COLUMNS  # (it imports MLflow: only when needed)
 
-    if plot.hue not in (None, "auto", *COLUMNS):
-        raise ConfigError(f"plot.hue {plot.hue!r} is not a column of results.csv (or auto, null)")
-    if plot.facet not in (None, "none", *COLUMNS):
-        raise ConfigError(f"plot.facet {plot.facet!r} is not a column of results.csv (or none)")
+        if value not in COLUMNS:
+            raise ConfigError(f"plot.{key} {value!r} is not a column of results.csv "
+                              f"(nor {' or '.join(str(a) for a in allowed)})")
     methods = cfg.get("method")
     for name in plot.methods or []:
         if isinstance(methods, DictConfig) and name not in methods:
