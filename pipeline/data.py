@@ -181,11 +181,12 @@ def synthetic(const: Constants, *, trials: int, n_test: int, seed: int, chunk: i
                                    out["clipped"][rows], index, local.scratch)
         _sphere_prompts(n_test, L, D, const.tau, rng.generators(seed, "test", rows), None, test,
                         scratch=local.scratch)
+        parts = [t.numpy() for t in (train.q, train.v, train.y, test.q, test.v, test.y)]
         digests = []
-        for t in range(b):
+        for t in range(b):  # per trial, so that the fingerprint does not depend on the chunks
             digest = hashlib.sha256()
-            for part in (train.q, train.v, train.y, test.q, test.v, test.y):
-                digest.update(part[t].numpy().data)
+            for part in parts:
+                digest.update(part[t].data)
             digests.append(digest.digest())
         return nc, (index, kept), b"".join(digests)
 
