@@ -239,13 +239,11 @@ def _check_attack(cfg: DictConfig, *, N: int, D: int, tau: float, dtype: str) ->
     if cfg.choice != "uniform":
         raise ConfigError(f"attack.choice {cfg.choice!r} is unknown; known: uniform")
     mu, c, p = (_number(cfg[key], f"attack.{key}") for key in ("mu", "c", "p"))
-    if c <= 0:
-        raise ConfigError(f"attack.c must be positive (alpha = c N^p), got {cfg.c!r}")
     # Every number the attacked prompts lead to must stay finite in float64 (and the features'
     # squares, in the gram and the risks, summed over N prompts). Their size, in log10: tokens
     # up to sqrt(D) (1 + |mu|), responses up to |y| + alpha (|y| below 10 (1 + tau) in practice),
     # so ||Z|| = ||q|| ||v|| <= D (1 + |mu|)^2 (alpha + 10 (1 + tau)).
-    log_alpha = math.log10(c) + p * math.log10(N)
+    log_alpha = math.log10(abs(c)) + p * math.log10(N) if c != 0 else -math.inf
     log_response = max(log_alpha, math.log10(10 * (1 + tau))) + math.log10(2)
     log_tokens = 2 * math.log10(1 + abs(mu))
     log_feature = math.log10(D) + log_tokens + log_response
@@ -254,10 +252,10 @@ def _check_attack(cfg: DictConfig, *, N: int, D: int, tau: float, dtype: str) ->
         if log_tokens >= log_response:
             key, value = "attack.mu", cfg.mu
         else:
-            key, value = ("attack.p", cfg.p) if abs(p * math.log10(N)) >= abs(math.log10(c)) else ("attack.c", cfg.c)
+            key, value = ("attack.p", cfg.p) if abs(p * math.log10(N)) >= abs(math.log10(abs(c))) else ("attack.c", cfg.c)
         raise ConfigError(
             f"{key} = {value!r} is too large: the attacked prompts' features reach about 1e{log_feature:.0f} "
-            f"(alpha = c N^p = 1e{log_alpha:.0f}, tokens shifted by mu), beyond what {dtype} arithmetic on "
+            f"(alpha = c N^p = {f'1e{log_alpha:.0f}' if c else 0}, tokens shifted by mu), beyond what {dtype} arithmetic on "
             f"N = {N} prompts can hold (1e{limit:.0f}); keep them below that"
         )
 
