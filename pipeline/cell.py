@@ -11,7 +11,7 @@ import torch
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
-from pipeline import attacks, config, data, evaluate, plot, tracking, train
+from pipeline import attacks, config, data, evaluate, plot, preflight, tracking, train
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +48,7 @@ def method_labels(cfg: DictConfig) -> dict[str, str]:
 def run(cfg: DictConfig) -> Path:
     """Run one cell; return the path of its ``results.csv``."""
     const = config.validate(cfg)  # before anything is created or computed
+    preflight.check(cfg, const)  # the output folder, the MLflow store, the memory the cell needs
     if cfg.compute.threads:
         torch.set_num_threads(int(cfg.compute.threads))
     out = output_dir()

@@ -58,19 +58,20 @@ class Problem:
         return self.train.q.shape[0]
 
 
-def _sphere_prompts(n_prompts: int, L: int, D: int, tau: float, gen, C: float | None, raw: Features,
+def _sphere_prompts(n_prompts: int, L: int, D: int, tau: float, gens, C: float | None, raw: Features,
                     clipped: Features | None = None, keep: Tensor | None = None, scratch: Tensor | None = None):
-    """Draw ``raw.y.numel()`` prompts and write their features into ``raw`` and, when C is
-    given, their clipped features into ``clipped`` (both (n_trials, n_prompts) views of the
-    outputs, in any dtype). Returns how many responses clip_C changed and the raw tokens of the
-    prompts that ``keep`` (n_trials, k) names.
+    """Draw ``raw.y.numel()`` prompts, trial t of the rows from its own generator ``gens[t]``, and
+    write their features into ``raw`` and, when C is given, their clipped features into ``clipped``
+    (both (n_trials, n_prompts) views of the outputs, in any dtype). Returns how many responses
+    clip_C changed and the raw tokens of the prompts that ``keep`` (n_trials, k) names.
 
-    The prompts are drawn in order, in slices of about ``_SLICE`` numbers (the slices share
-    one generator; the slice length fixes the order of the draws, so it must not change).
-    Each slice is drawn into ``scratch``, reused from slice to slice and call to call, so that
-    no slice pays for fresh pages, and turned into features ``_BLOCK`` prompts at a time, so
-    that the temporaries stay in the core's cache. Tokens are the columns of (D, L+1) blocks,
-    as in E.
+    Each trial's prompts are drawn in segments of at most ``_slice_prompts`` prompts at fixed
+    offsets within the trial (tokens, then tasks, then response noise, per segment), so that what
+    a trial draws depends on nothing but its generator: not on the chunk it is in. Consecutive
+    segments are packed into slices of at most that many prompts, each drawn into ``scratch``,
+    reused from slice to slice and call to call, so that no slice pays for fresh pages, and turned
+    into features ``_BLOCK`` prompts at a time, so that the temporaries stay in the core's cache.
+    Tokens are the columns of (D, L+1) blocks, as in E.
     """
     n_trials = raw.y.shape[0]
     total = n_trials * n_prompts
@@ -84,11 +85,15 @@ def _sphere_prompts(n_prompts: int, L: int, D: int, tau: float, gen, C: float | 
     step = _slice_prompts(L, D)
     scratch = _scratch(L, D, scratch)
     block = scratch[-_BLOCK * D * (L + 1):].view(_BLOCK, D, L + 1)  # after the slice's tokens
-    for start in range(0, total, step):
-        m = min(step, total - start)
-        x = scratch[: m * D * (L + 1)].view(m, D, L + 1).normal_(generator=gen)
-        w = torch.empty(m, D, 1).normal_(generator=gen)
-        e = torch.empty(m, L + 1).normal_(generator=gen) if tau > 0 else None
+    for start, m, segments in _slices(n_trials, n_prompts, step):
+        x = scratch[: m * D * (L + 1)].view(m, D, L + 1)
+        w = torch.empty(m, D, 1)
+        e = torch.empty(m, L + 1) if tau > 0 else None
+        for t, lo, hi in segments:  # positions [lo, hi) of the slice are prompts of trial t
+            x[lo:hi].normal_(generator=gens[t])
+            w[lo:hi].normal_(generator=gens[t])
+            if e is not None:
+                e[lo:hi].normal_(generator=gens[t])
         y = torch.empty(m, L + 1)
         for b in range(0, m, _BLOCK):
             blk = slice(b, min(b + _BLOCK, m))
@@ -113,12 +118,29 @@ def _sphere_prompts(n_prompts: int, L: int, D: int, tau: float, gen, C: float | 
     return n_clipped, kept
 
 
+def _slices(n_trials: int, n_prompts: int, step: int):
+    """(flat start, length, [(trial, a, b), ...]): each trial's prompts cut into segments of at most
+    ``step`` at offsets 0, step, 2 step, ... within the trial, packed in order into slices of at
+    most ``step`` prompts; segment (t, a, b) is positions [a, b) of its slice."""
+    start, m, segments = 0, 0, []
+    for t in range(n_trials):
+        for offset in range(0, n_prompts, step):
+            k = min(step, n_prompts - offset)
+            if m + k > step:
+                yield start, m, segments
+                start, m, segments = start + m, 0, []
+            segments.append((t, m, m + k))
+            m += k
+    if m:
+        yield start, m, segments
+
+
 def _fill(out: Features, start: int, part: Features) -> None:
     rows = slice(start, start + part.y.shape[0])
     out.q[rows], out.v[rows], out.y[rows] = part.q, part.v, part.y
 
 
-_SLICE = 1 << 22  # numbers per generation slice (16 MB of float32); fixes the order of the draws
+_SLICE = 1 << 22  # numbers per generation slice (16 MB of float32); fixes the order of a trial's draws
 _BLOCK = 4096  # prompts per block of the feature computation (640 kB of float32 tokens)
 
 
@@ -135,10 +157,10 @@ def _scratch(L: int, D: int, buffer: Tensor | None = None) -> Tensor:
 
 def synthetic(const: Constants, *, trials: int, n_test: int, seed: int, chunk: int, dtype, keep: int = 0,
               dataset=None) -> Problem:
-    """Chunks of trials are drawn on two threads, each writing its rows of the outputs (each
-    chunk has its own random streams, so the numbers do not depend on the threading).
-    ``keep`` > 0 also keeps the raw tokens of that many prompts per trial, chosen uniformly
-    without replacement (stream "attack"). The fingerprint hashes each chunk's features."""
+    """Chunks of trials are drawn on the worker threads, each writing its rows of the outputs
+    (every trial has its own random streams, so the numbers depend neither on the chunks nor on
+    the threading). ``keep`` > 0 also keeps the raw tokens of that many prompts per trial, chosen
+    uniformly without replacement (stream "attack"). The fingerprint hashes each trial's features."""
     N, L, D, C, G = const.N, const.L, const.D, const.C, const.G
     out = {
         "train": _empty(trials, N, D, dtype=dtype),
@@ -152,16 +174,21 @@ def synthetic(const: Constants, *, trials: int, n_test: int, seed: int, chunk: i
         b = rows.stop - rows.start
         index = None
         if keep:
-            index = torch.rand(b, N, generator=rng.generator(seed, "attack", i)).argsort(-1)[:, :keep]
+            index = rng.uniform(rng.generators(seed, "attack", rows), (N,)).argsort(-1)[:, :keep]
         local.scratch = _scratch(L, D, getattr(local, "scratch", None))
         train, test = out["train"][rows], out["test"][rows]
-        nc, kept = _sphere_prompts(N, L, D, const.tau, rng.generator(seed, "train", i), C, train,
+        nc, kept = _sphere_prompts(N, L, D, const.tau, rng.generators(seed, "train", rows), C, train,
                                    out["clipped"][rows], index, local.scratch)
-        _sphere_prompts(n_test, L, D, const.tau, rng.generator(seed, "test", i), None, test, scratch=local.scratch)
-        digest = hashlib.sha256()
-        for t in (train.q, train.v, train.y, test.q, test.v, test.y):
-            digest.update(t.numpy().data)
-        return nc, (index, kept), digest.digest()
+        _sphere_prompts(n_test, L, D, const.tau, rng.generators(seed, "test", rows), None, test,
+                        scratch=local.scratch)
+        parts = [t.numpy() for t in (train.q, train.v, train.y, test.q, test.v, test.y)]
+        digests = []
+        for t in range(b):  # per trial, so that the fingerprint does not depend on the chunks
+            digest = hashlib.sha256()
+            for part in parts:
+                digest.update(part[t].data)
+            digests.append(digest.digest())
+        return nc, (index, kept), b"".join(digests)
 
     n_chunks = -(-trials // chunk)
     n_clipped, kept, digest = 0, [], hashlib.sha256()
@@ -223,8 +250,8 @@ def newsgroups(const: Constants, *, trials: int, n_test: int, seed: int, chunk: 
     for i, start in enumerate(range(0, trials, chunk)):
         b = min(chunk, trials - start)
         for split, name, n in (("train", "train", N), ("test", "test", n_test)):
-            gen = rng.generator(seed, f"grouping:{split}", i)
-            idx = _group_prompts(corpus.group[split], b, n, L + 1, gen)  # (b, n, L+1) article indices
+            gens = rng.generators(seed, f"grouping:{split}", slice(start, start + b))
+            idx = _group_prompts(corpus.group[split], gens, n, L + 1)  # (b, n, L+1) article indices
             x = torch.from_numpy(corpus.x[split]).float()[idx].transpose(-1, -2)  # tokens as columns
             y = torch.from_numpy(corpus.y[split]).float()[idx]
             _fill(out[name], start, from_tokens(x, y))
@@ -235,21 +262,27 @@ def newsgroups(const: Constants, *, trials: int, n_test: int, seed: int, chunk: 
                     fingerprint=ng.fingerprint(corpus) + f":seed={seed}")
 
 
-def _group_prompts(groups, trials: int, n: int, size: int, gen) -> Tensor:
-    """(trials, n, size) article indices: per prompt a newsgroup uniformly at random, then
-    ``size`` of its articles without replacement."""
+def _group_prompts(groups, gens, n: int, size: int) -> Tensor:
+    """(len(gens), n, size) article indices, trial t drawn from ``gens[t]``: per prompt a newsgroup
+    uniformly at random, then ``size`` of its articles without replacement (the ``size`` smallest
+    of uniform keys over the group's articles)."""
     import numpy as np
 
     labels = np.unique(groups)
-    members = [torch.from_numpy(np.flatnonzero(groups == g)) for g in labels]
-    choice = torch.randint(len(labels), (trials, n), generator=gen)
-    out = torch.empty(trials, n, size, dtype=torch.long)
-    for g, pool in enumerate(members):
-        where = choice == g
-        count = int(where.sum())
-        if count:
-            picks = torch.rand(count, len(pool), generator=gen).argsort(-1)[:, :size]
-            out[where] = pool[picks]
+    sizes = torch.tensor([int((groups == g).sum()) for g in labels])
+    members = torch.zeros(len(labels), int(sizes.max()), dtype=torch.long)  # padded member lists
+    for g, label in enumerate(labels):
+        members[g, : sizes[g]] = torch.from_numpy(np.flatnonzero(groups == label))
+    if int(sizes.min()) < size:
+        raise ValueError(f"a newsgroup has {int(sizes.min())} articles, fewer than the {size} a prompt takes")
+    out = torch.empty(len(gens), n, size, dtype=torch.long)
+    outside = torch.arange(members.shape[1])
+    for t, gen in enumerate(gens):
+        choice = torch.randint(len(labels), (n,), generator=gen)
+        keys = torch.rand(n, members.shape[1], generator=gen)
+        keys[outside >= sizes[choice].unsqueeze(1)] = 2.0  # never among the smallest
+        picks = keys.topk(size, largest=False, sorted=True).indices
+        out[t] = members[choice.unsqueeze(1), picks]
     return out
 
 
@@ -273,7 +306,6 @@ def make_problem(cfg: DictConfig, const: Constants) -> Problem:
             "const": [const.N, const.L, const.D, const.tau, const.C, const.G],
             "trials": cfg.trials,
             "seed": cfg.seed,
-            "chunk": cfg.compute.chunk_trials,
             "dtype": cfg.compute.dtype,
             "keep": attack_prompts(cfg),
         },

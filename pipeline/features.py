@@ -95,7 +95,10 @@ def from_tokens(x: Tensor, y: Tensor, clip: float | None = None) -> Features:
     ``clip=C`` every response is clipped to [-C, C] first (Algorithm 1's clip_C): the
     context sum and the target both use clipped responses."""
     if clip is not None:
-        y = y.clamp(-clip, clip)
+        bound = torch.tensor(clip, dtype=y.dtype)
+        if bound.item() > clip:  # rounded up to y's precision: take the next value below, so |y| <= C holds
+            bound = torch.nextafter(bound, torch.zeros_like(bound))
+        y = y.clamp(-bound.item(), bound.item())
     L = x.shape[-1] - 1
     v = (x[..., :L] @ y[..., :L, None]).squeeze(-1) / L
     # copies, not views: a view would keep every token of the prompts alive

@@ -21,6 +21,8 @@ import argparse
 import hashlib
 import logging
 import tarfile
+import zipfile
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -123,15 +125,49 @@ def load(path: str | Path, meta: dict) -> Articles:
     path = Path(path)
     if not path.is_file():
         raise DataError(f"dataset.features: no such file {str(path)!r} (build it with `dvc repro features`)")
-    try:
-        with np.load(path) as f:
+    try:  # np.load reads lazily: a truncated or damaged member fails only when it is read, here
+        with np.load(path, allow_pickle=False) as f:
             stored = str(f["meta"])
             arrays = {k: f[k] for k in f.files if k != "meta"}
-    except (OSError, ValueError, KeyError) as err:
-        raise DataError(f"dataset.features: {str(path)!r} is not a feature file ({err})") from err
+    except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile, zlib.error) as err:
+        raise DataError(f"dataset.features: {str(path)!r} is not a readable feature file "
+                        f"({type(err).__name__}: {err}); rebuild it with `dvc repro features`") from err
     if stored != repr(sorted(meta.items())):
         raise DataError(f"dataset.features: {str(path)!r} was built with other settings ({stored}); rebuild it")
-    return Articles(*({s: arrays[f"{k}_{s}"] for s in SPLITS} for k in ("x", "y", "group")))
+    missing = [f"{k}_{s}" for k in ("x", "y", "group") for s in SPLITS if f"{k}_{s}" not in arrays]
+    if missing:
+        raise DataError(f"dataset.features: {str(path)!r} lacks {missing}; rebuild it")
+    found = Articles(*({s: arrays[f"{k}_{s}"] for s in SPLITS} for k in ("x", "y", "group")))
+    problem = check_articles(found, D=int(meta["D"]))
+    if problem:
+        raise DataError(f"dataset.features: {str(path)!r} {problem}; rebuild it")
+    return found
+
+
+NORM_SLACK = 1e-9  # TF-IDF rows have norm 1 up to round-off
+
+
+def check_articles(a: Articles, *, D: int) -> str | None:
+    """What is wrong with article features (the privacy constants rest on them), or None: every
+    split has (n, D) finite scores in [0, 1] with row norms <= 1, n finite lengths and n integer
+    newsgroups."""
+    for s in SPLITS:
+        x, y, g = a.x[s], a.y[s], a.group[s]
+        n = len(y)
+        if x.ndim != 2 or x.shape != (n, D) or y.ndim != 1 or g.shape != (n,) or n == 0:
+            return (f"has inconsistent shapes in its {s} split: x {x.shape}, y {y.shape}, group {g.shape} "
+                    f"(expected (n, {D}), (n,), (n,))")
+        if not (np.issubdtype(x.dtype, np.floating) and np.issubdtype(y.dtype, np.floating)
+                and np.issubdtype(g.dtype, np.integer)):
+            return f"has the wrong types in its {s} split: x {x.dtype}, y {y.dtype}, group {g.dtype}"
+        bad = ~np.isfinite(x).all(1) | ~np.isfinite(y)
+        if bad.any():
+            return f"holds NaN or infinite values ({int(bad.sum())} {s} articles, the first is number {int(np.argmax(bad))})"
+        if (x < 0).any() or (np.linalg.norm(x, axis=1) > 1 + NORM_SLACK).any():
+            return f"has {s} scores that are not TF-IDF scores (negative, or a row norm above 1)"
+        if (g < 0).any():
+            return f"has negative newsgroup numbers in its {s} split"
+    return None
 
 
 def meta_of(dataset) -> dict:

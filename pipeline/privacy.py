@@ -12,7 +12,6 @@ from __future__ import annotations
 import functools
 import math
 
-from dp_accounting.pld import accountant, common, privacy_loss_mechanism
 
 
 def noisyhead_sensitivity(*, C: float, G: float, R: float) -> float:
@@ -67,6 +66,8 @@ def tight_multiplier(*, T: int, eps: float, delta: float) -> float:
     smallest Gaussian noise for T queries: the analytic Gaussian mechanism of Balle and Wang
     (exact, any eps > 0). The tests check it against dp-accounting's PLD accountant composing the
     T steps one by one, and against the exact delta(eps)."""
+    from dp_accounting.pld import accountant, common  # imported when needed: a second to load
+
     return accountant.get_smallest_gaussian_noise(common.DifferentialPrivacyParameters(eps, delta),
                                                   num_queries=T, sensitivity=1.0)
 
@@ -83,6 +84,8 @@ def spent_epsilon(*, multiplier: float, T: int, delta: float) -> float:
     by its bisection (to 1e-9, rounded up). What a run actually spends."""
     if multiplier <= 0:  # no noise: no finite eps
         return math.inf
+    from dp_accounting.pld import common, privacy_loss_mechanism
+
     loss = privacy_loss_mechanism.GaussianPrivacyLoss(multiplier, sensitivity=math.sqrt(T))
     search = common.BinarySearchParameters(0.0, 1e6, tolerance=1e-9)
     eps = common.inverse_monotone_function(loss.get_delta_for_epsilon, delta, search, increasing=False)

@@ -86,6 +86,16 @@ def test_regimes_carry_the_papers_grids(cfg_for):
     ("method.dp_ridge.calibration=classic", "method.dp_ridge"),  # with privacy.eps=1.5 below: classic needs eps < 1
     ("method.noisyhead.horizon=longest", "method.noisyhead"),
     ("method.noisyhead.accountant=rdp", "method.noisyhead"),
+    ("regime.kappa=nan", "regime.kappa"),
+    ("regime.R=inf", "regime.R"),
+    ("regime.G=1e200", "regime.G"),  # G^2 overflows
+    ("regime.lam=nan", "regime.lam"),
+    ("compute.threads=0", "compute.threads"),
+    ("plot.x=foo", "plot.x"),
+    ("plot.hue=foo", "plot.hue"),
+    ("plot.error_bars=box", "plot.error_bars"),
+    ("plot.y=attack_risk", "plot.y"),  # there is no attack
+    ("plot.methods=[ssp]", "plot.methods"),  # not among the methods run
 ])
 def test_bad_values_are_refused_naming_the_key(cfg_for, override, key):
     extra = ["privacy.eps=1.5", "method=[ridge,dp_ridge]"] if "dp_ridge" in override else []

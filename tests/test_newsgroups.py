@@ -69,7 +69,7 @@ def test_prompts_take_one_newsgroup_each(cfg_for, tmp_path):
     p = data.newsgroups(const, trials=3, n_test=6, seed=0, chunk=2, dtype=torch.float64, dataset=cfg.dataset)
     assert p.train.shape == (3, 20, 5) and p.test.shape == (3, 6, 5)
     groups = newsgroups.articles(cfg.dataset).group["train"]
-    idx = data._group_prompts(groups, 3, 20, 5, torch.Generator().manual_seed(0))
+    idx = data._group_prompts(groups, [torch.Generator().manual_seed(t) for t in range(3)], 20, 5)
     assert all(len(set(groups[row.numpy()])) == 1 for row in idx.reshape(-1, 5))  # one newsgroup per prompt
     assert all(len(set(row.tolist())) == 5 for row in idx.reshape(-1, 5))  # no article twice in a prompt
     assert p.private.norms().max() <= const.G * (1 + 1e-12) and p.private.y.abs().max() <= const.C

@@ -67,13 +67,14 @@ class ValidatingSweeper(BasicSweeper):
         self.sweep_id = sweep_id
 
     def validate_batch_is_legal(self, batch: Sequence[Sequence[str]]) -> None:
+        from pipeline import preflight
         from pipeline.config import ConfigError, validate
 
         loader = self.hydra_context.config_loader
         for overrides in batch:
             cfg = loader.load_sweep_config(master_config=self.config, sweep_overrides=list(overrides))
             try:
-                validate(cfg)
+                preflight.check(cfg, validate(cfg), str(cfg.hydra.sweep.dir), "hydra.sweep.dir")
             except ConfigError as err:
                 print(f"error: in the sweep cell {' '.join(overrides)}: {err}", file=sys.stderr)
                 sys.exit(2)

@@ -26,7 +26,8 @@ def noise_scale(spec) -> float:
 
 
 def chunks(trials: int, size: int, desc: str) -> Iterator[tuple[int, slice]]:
-    """(chunk index, slice of trials); the index names the chunk's random streams."""
+    """(chunk index, slice of trials). Random draws belong to the trials (``rng``), not to the
+    chunk, so the chunk size changes no number."""
     starts = range(0, trials, size)
     for i, start in enumerate(tqdm(starts, desc=desc, leave=False, disable=None)):
         yield i, slice(start, min(start + size, trials))

@@ -59,7 +59,7 @@ def fit(problem, const, cfg, spec, stream: str = "") -> Fit:
     parts = []
     for i, sl in chunks(problem.trials, cfg.compute.chunk_trials, spec.estimator):
         gamma = ridge.solve(problem.private[sl], mu)
-        noise = rng.randn(gamma.shape, rng.generator(cfg.seed, f"noise:{spec.calibration}-ridge{stream}", i), gamma.dtype)
+        noise = rng.trial_normal(cfg.seed, f"noise:{spec.calibration}-ridge{stream}", sl, gamma.shape[1:], gamma.dtype)
         parts.append(gamma + std * noise)
     proven = privacy.ridge_sensitivity(C=const.C, G=const.G, lam=mu, N=const.N)
     params = {"calibration": spec.calibration, "penalty": mu, "sensitivity": sensitivity(spec, const, mu),

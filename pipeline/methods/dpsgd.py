@@ -71,14 +71,13 @@ def fit(problem, const, cfg, spec, stream: str = "") -> Fit:
               for T in const.T]
     parts = []
     for i, sl in chunks(B, cfg.compute.chunk_trials, "dpsgd"):
-        b = sl.stop - sl.start
-        gamma0 = initial_gamma(trials=b, D=D, scale=const.init_scale, R=const.R,
-                               gen=rng.generator(cfg.seed, "init" + stream, i), dtype=dtype)
+        gamma0 = initial_gamma(seed=cfg.seed, stream="init" + stream, trials=sl, D=D, scale=const.init_scale,
+                               R=const.R, dtype=dtype)
         out = []
         for T, sigma in zip(const.T, sigmas):
-            gen = rng.generator(cfg.seed, f"dpsgd:T={T}{stream}", i)
-            masks = (torch.rand(b, T, N, generator=gen) < q).to(dtype)
-            noise = rng.randn((b, T, D, D), gen, dtype)
+            gens = rng.generators(cfg.seed, f"dpsgd:T={T}{stream}", sl)  # per trial: its batches, then its noise
+            masks = (rng.uniform(gens, (T, N)) < q).to(dtype)
+            noise = rng.normal(gens, (T, D, D), dtype)
             out.append(descend(problem.private[sl], gamma0, lam=const.lam, eta0=const.eta0, steps=T,
                                sample_rate=q, max_grad_norm=clip, sigma=sigma, masks=masks, noise=noise))
         parts.append(torch.stack(out, 1))

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import torch
 
-from pipeline import rng
 from pipeline.methods.base import Fit, chunks
 from pipeline.methods.descent import Quadratic, descend, initial_gamma, run
 
@@ -20,10 +19,8 @@ def fit(problem, const, cfg, spec=None, stream: str = "") -> Fit:
     step = dict(lam=const.lam, eta0=const.eta0, T=const.T)
     parts, trace = [], []
     for i, sl in chunks(B, cfg.compute.chunk_trials, "gd"):
-        gamma0 = initial_gamma(
-            trials=sl.stop - sl.start, D=D, scale=const.init_scale, R=const.R,
-            gen=rng.generator(cfg.seed, "init", i), dtype=dtype,
-        )
+        gamma0 = initial_gamma(seed=cfg.seed, stream="init", trials=sl, D=D, scale=const.init_scale, R=const.R,
+                               dtype=dtype)
         quad = Quadratic(problem.train[sl])
         parts.append(run(quad, gamma0, **step))
         if i == 0:  # the training-loss curve of the first trial

@@ -94,10 +94,9 @@ def fit(problem, const, cfg, spec=None, stream: str = "") -> Fit:
     step = dict(lam=const.lam, eta0=const.eta0, radius=const.R)
     parts, trace = [], []
     for i, sl in chunks(B, cfg.compute.chunk_trials, "noisyhead"):
-        b = sl.stop - sl.start
-        gamma0 = initial_gamma(trials=b, D=D, scale=const.init_scale, R=const.R,
-                               gen=rng.generator(cfg.seed, "init" + stream, i), dtype=dtype)
-        xi = rng.randn((b, T_max, D, D), rng.generator(cfg.seed, "noise:noisyhead" + stream, i), dtype)
+        gamma0 = initial_gamma(seed=cfg.seed, stream="init" + stream, trials=sl, D=D, scale=const.init_scale,
+                               R=const.R, dtype=dtype)
+        xi = rng.trial_normal(cfg.seed, "noise:noisyhead" + stream, sl, (T_max, D, D), dtype)
         quad = Quadratic(problem.private[sl])
         parts.append(run(quad, gamma0, T=Ts, noise_std=stds, noise=xi, **step))
         if i == 0:  # the training-loss curve of the first trial, longest horizon

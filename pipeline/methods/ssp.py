@@ -79,10 +79,9 @@ def fit(problem, const, cfg, spec, stream: str = "") -> Fit:
     parts, indefinite, ratio = [], 0, 0.0
     for i, sl in chunks(B, cfg.compute.chunk_trials, spec.estimator):
         quad = Quadratic(problem.private[sl], gram=direct)
-        b = sl.stop - sl.start
-        gen = rng.generator(cfg.seed, "noise:ssp" + stream, i)
-        W = rng.randn((b, d, d), gen, quad.b.dtype)
-        w = rng.randn((b, D, D), gen, quad.b.dtype)
+        gens = rng.generators(cfg.seed, "noise:ssp" + stream, sl)  # per trial: W, then w
+        W = rng.normal(gens, (d, d), quad.b.dtype)
+        w = rng.normal(gens, (D, D), quad.b.dtype)
         noise = (W + W.mT) * (std / (2 * N))  # sym(s W) / N: the system below is divided by N
         rhs = quad.b + (std / N) * w  # the released sum_k y z, over N
         if i == 0:

@@ -1,0 +1,148 @@
+"""Bad input, through the CLI: one `error: <key> ...` line naming the value, exit 2, before
+anything is computed or logged (no MLflow run, no results).
+
+Every case is its own `python -m pipeline` process; they start together (a module fixture)
+so that the file costs about one process start per core, not one per case.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sqlite3
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from pipeline import newsgroups
+
+ROOT = Path(__file__).resolve().parents[1]
+NEWSGROUPS = ("dataset=newsgroups", "regime=newsgroups", "privacy.eps=0.5")
+
+# name: (overrides, the key the error line starts with, the value it must name)
+CASES = {
+    "attack_mu_overflows": (("attack=perturb", "attack.mu=1e308"), "attack.mu", "1e+308"),
+    "tau_nan": (("regime.tau=nan",), "regime.tau", "nan"),
+    "attack_p_overflows": (("attack=perturb", "attack.p=200"), "attack.p", "200"),
+    "eps_inf_tight": (("privacy.eps=inf", "privacy.accountant=tight"), "privacy.eps", "inf"),
+    "eps_inf_dp_ridge": (("privacy.eps=inf", "method=[ridge,dp_ridge]"), "privacy.eps", "inf"),
+    "eps_inf_ssp": (("privacy.eps=inf", "method=[ridge,ssp]"), "privacy.eps", "inf"),
+    "ci_level": (("evaluate.ci_level=1.5",), "evaluate.ci_level", "1.5"),
+    "plot_y": (("plot.y=foo",), "plot.y", "foo"),
+    "init_scale_nan": (("regime.init_scale=nan",), "regime.init_scale", "nan"),
+    "threads_negative": (("compute.threads=-1",), "compute.threads", "-1"),
+    "no_method": (("method=[]",), "method", "[]"),
+    "features_truncated": ((*NEWSGROUPS, "dataset.features={tmp}/truncated.npz"), "dataset.features", "truncated.npz"),
+    "features_nan": ((*NEWSGROUPS, "dataset.features={tmp}/nan.npz"), "dataset.features", "NaN"),
+    "output_read_only": (("hydra.run.dir={ro}/run",), "hydra.run.dir", "{ro}/run"),
+    "sweep_output_read_only": (("hydra.sweep.dir={ro}/sweep", "regime.N=100,200", "-m"), "hydra.sweep.dir",
+                               "{ro}/sweep"),
+    "store_read_only": (("mlflow.tracking_uri=sqlite:///{ro}/mlflow.db",), "mlflow.tracking_uri", "{ro}/mlflow.db"),
+    "server_unreachable": (("ENV:MLFLOW_TRACKING_URI=http://127.0.0.1:9",), "mlflow.tracking_uri", "127.0.0.1:9"),
+    "N_too_large": (("regime.N=1000000000",), "regime.N", "1000000000"),
+    "C_inf": (("regime.C=inf",), "regime.C", "inf"),
+    "memory": (("trials=100000000",), "trials", "100000000"),
+    "memory_in_a_sweep": (("regime.N=1000", "trials=2,100000000", "-m"), "in the sweep cell", "trials = 100000000"),
+}
+
+
+def _feature_files(folder: Path) -> None:
+    """A valid feature file's truncated copy, and one with a NaN score."""
+    rng = np.random.default_rng(0)
+    splits = {}
+    for split, n in (("train", 200), ("test", 100)):
+        x = np.sort(rng.random((n, 30)), 1)[:, ::-1]
+        splits[split] = (x / np.linalg.norm(x, axis=1, keepdims=True), 0.3 * rng.normal(size=n), np.arange(n) % 2)
+    articles = newsgroups.Articles(*({s: splits[s][i] for s in splits} for i in range(3)))
+    meta = {"D": 30, "y_center": 2.0, "vectorizer_fit": "test"}
+    newsgroups.save(articles, folder / "good.npz", meta)
+    data = (folder / "good.npz").read_bytes()
+    (folder / "truncated.npz").write_bytes(data[: len(data) // 2])
+    articles.x["train"][3, 0] = np.nan
+    newsgroups.save(articles, folder / "nan.npz", meta)
+
+
+def _read_only(folder: Path) -> bool:
+    """Make ``folder`` unwritable, for root too (immutable); False if this system cannot."""
+    if os.geteuid() != 0:
+        folder.chmod(0o555)
+        return True
+    return shutil.which("chattr") is not None and subprocess.run(["chattr", "+i", str(folder)]).returncode == 0
+
+
+def _writable_again(folder: Path) -> None:
+    if os.geteuid() != 0:
+        folder.chmod(0o755)
+    else:
+        subprocess.run(["chattr", "-i", str(folder)], capture_output=True)
+
+
+def _run(name: str, base: Path, ro: Path) -> tuple[subprocess.CompletedProcess, Path]:
+    overrides, _, _ = CASES[name]
+    tmp = base / name
+    tmp.mkdir()
+    env = dict(os.environ, PYTHONWARNINGS="ignore")
+    env.pop("MLFLOW_TRACKING_URI", None)
+    args = []
+    for arg in overrides:
+        arg = arg.format(tmp=base, ro=ro)
+        if arg.startswith("ENV:"):
+            key, value = arg[4:].split("=", 1)
+            env[key] = value
+        else:
+            args.append(arg)
+    if "MLFLOW_TRACKING_URI" not in env and not any(a.startswith("mlflow.tracking_uri") for a in args):
+        args.append(f"mlflow.tracking_uri=sqlite:///{tmp / 'mlflow.db'}")
+    for key, folder in (("hydra.run.dir", "run"), ("hydra.sweep.dir", "sweep")):
+        if not any(a.startswith(key) for a in args):
+            args.append(f"{key}={tmp / folder}")
+    flags = [a for a in args if a.startswith("-")]
+    args = [a for a in args if not a.startswith("-")]
+    trials = [] if any(a.startswith("trials=") for a in args) else ["trials=2"]
+    cmd = [sys.executable, "-m", "pipeline", *trials, *args, *flags]
+    proc = subprocess.run(cmd, cwd=tmp, capture_output=True, text=True, env=env, timeout=300)
+    return proc, tmp
+
+
+@pytest.fixture(scope="module")
+def outcomes(tmp_path_factory):
+    base = tmp_path_factory.mktemp("inputs")
+    _feature_files(base)
+    ro = base / "read-only"
+    ro.mkdir()
+    can = _read_only(ro)
+    names = [n for n in CASES if can or "{ro}" not in " ".join(CASES[n][0])]
+    try:
+        with ThreadPoolExecutor(max(2, os.cpu_count() or 2)) as pool:
+            done = dict(zip(names, pool.map(lambda n: _run(n, base, ro), names)))
+    finally:
+        _writable_again(ro)
+    return done, ro
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_bad_input_gives_one_error_line_and_exit_2_before_anything_runs(outcomes, name):
+    done, ro = outcomes
+    if name not in done:
+        pytest.skip("this system cannot make a folder read-only for this user")
+    proc, tmp = done[name]
+    _, key, value = CASES[name]
+    value = value.format(ro=ro)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1, proc.stderr[-3000:]
+    assert errors[0].startswith(f"error: {key}"), errors[0]
+    assert value in errors[0], errors[0]
+    assert "Traceback" not in proc.stderr
+    # nothing computed or logged: no results anywhere, no MLflow run in the store
+    assert not list(tmp.rglob("results.csv")) and not list(tmp.rglob("*.png"))
+    store = tmp / "mlflow.db"
+    if store.exists():
+        with sqlite3.connect(store) as db:
+            tables = {row[0] for row in db.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+            assert "runs" not in tables or db.execute("SELECT COUNT(*) FROM runs").fetchone()[0] == 0
+    assert not (tmp / "mlruns").exists()
