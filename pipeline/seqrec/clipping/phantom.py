@@ -1,0 +1,85 @@
+"""Phantom Clipping: the clipped sum of per-user gradients without per-user gradients.
+
+One forward pass records, for every layer with a norm function (``norms.NORMS``), its input and
+its output at every call. One backward pass, ``autograd.grad`` of the summed per-user losses with
+respect to those outputs only (no parameter gradient is formed), gives every layer's output
+gradients; each layer's norm function turns (inputs, output gradients) into per-user squared
+norms, the tied item table's including the cross term between its input and output uses. The
+clipped sum is then a second backward pass through the same graph (same dropout masks) of
+sum_i c_i L_i, with c_i the clipping coefficient of user i's total norm.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pipeline.seqrec.clipping.norms import NORMS
+from pipeline.seqrec.models import user_losses
+
+
+def owners(model: torch.nn.Module) -> dict[torch.nn.Module, list[torch.nn.Parameter]]:
+    """The layers that own the model's trainable parameters, each of a type with a norm function.
+    A parameter held by two layers would need a cross term no single norm function sees (fastDP's
+    shared-embedding bug): refused, as is a parameter in a layer of an unknown type."""
+    seen: dict[int, str] = {}
+    found = {}
+    for name, module in model.named_modules():
+        params = [p for p in module.parameters(recurse=False) if p.requires_grad]
+        if not params:
+            continue
+        if type(module) not in NORMS:
+            raise TypeError(f"layer {name} ({type(module).__name__}) has no per-user norm function")
+        for p in params:
+            if id(p) in seen:
+                raise TypeError(f"a parameter of {name} is also held by {seen[id(p)]}: tie it in one layer")
+            seen[id(p)] = name
+        found[module] = params
+    missing = {id(p) for p in model.parameters() if p.requires_grad} - set(seen)
+    if missing:
+        raise TypeError(f"{len(missing)} trainable parameters are not in any layer with a norm function")
+    return found
+
+
+class Phantom:
+    private = True
+
+    def __init__(self, model, coef, form: str = "auto"):
+        self.model, self.coef, self.form = model, coef, form
+        self.layers = owners(model)
+        self._calls: dict[torch.nn.Module, list] = {}
+        for module in self.layers:
+            module.register_forward_hook(self._record)
+
+    def _record(self, module, inputs, output):
+        if torch.is_grad_enabled() and self._active:
+            self._calls.setdefault(module, []).append((inputs[0].detach(), output))
+
+    _active = False
+
+    def per_user_sq_norms(self, ids, targets):
+        """Forward, per-user losses (n,), per-user squared norms (n,) of the whole model's gradient."""
+        self._calls = {}
+        self._active = True
+        try:
+            losses = user_losses(self.model(ids), ids, targets)
+        finally:
+            self._active = False
+        calls = [(m, a, o) for m, recs in self._calls.items() for a, o in recs]
+        grads = torch.autograd.grad(losses.sum(), [o for _, _, o in calls], retain_graph=True, allow_unused=True)
+        per_layer: dict[torch.nn.Module, list] = {}
+        for (m, a, o), g in zip(calls, grads):
+            per_layer.setdefault(m, []).append((a, torch.zeros_like(o) if g is None else g))
+        sq = losses.new_zeros(losses.shape[0])
+        for m, layer_calls in per_layer.items():
+            for value in NORMS[type(m)](m, layer_calls, self.form).values():
+                sq = sq + value
+        self._calls = {}
+        return losses, sq
+
+    def step(self, ids, targets):
+        losses, sq = self.per_user_sq_norms(ids, targets)
+        norms = sq.clamp(min=0).sqrt().detach()
+        c = self.coef(norms)
+        self.model.zero_grad()
+        (c * losses).sum().backward()
+        return losses.detach(), norms
