@@ -128,6 +128,8 @@ def read_interactions(path: Path, fmt: str = "auto", key: str = "dataset.path"):
     except UnicodeDecodeError as err:
         line = raw[: err.start].count(b"\n") + 1
         raise ConfigError(f"{key} = {str(path)!r}, line {line}: not a text file of integer ids") from err
+    if not text.strip():
+        raise ConfigError(f"{key} = {str(path)!r}: the file holds no interactions")
     if fmt == "auto":
         first = next((ln for ln in text.splitlines() if ln.strip()), "")
         fmt = "ratings" if "::" in first else "sasrec"

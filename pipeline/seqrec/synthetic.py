@@ -10,8 +10,14 @@ The generator (every constant is a key of ``conf/dataset/synthetic_longtail*.yam
   average topics are chosen in proportion to their mass and items keep the Zipf marginal.
   Topic draw: topic k ~ theta_u, then item j ~ p restricted to topic k:
   q_u(j) = theta_u[k(j)] p_j / P_k(j).
-- Each item i has ``n_successors`` successors drawn with replacement from p (so E T(i, j) = p_j:
-  transitions keep the Zipf marginal too); T(i, j) = (number of draws equal to j) / n_successors.
+- Successors: a transition kernel T with p as its stationary distribution exactly, so that
+  transitions keep the Zipf marginal (sum_i p_i T(i, j) = p_j). Item i owns the interval
+  I_i of length p_i of [0, 1) (items in popularity order); each of ``n_successors`` layers
+  cuts [0, 1) again into intervals J_j of length p_j, in popularity order shuffled within
+  blocks of ``successor_block`` consecutive ranks (0: shuffled across the whole catalogue),
+  and T(i, j) = mean over layers of |I_i ∩ J_j| / p_i. A successor of i is drawn by picking a
+  layer and a uniform point of I_i. Each item thus has about 1-3 successors per layer, of a
+  popularity like its own (with blocks; without, a head item has hundreds).
 - Sequence: length n_u = min_len + round(LogNormal) clipped to [min_len, max_len], with the
   log-normal's mean chosen so that E n_u is about ``mean_len``. The first item is a topic draw;
   item t >= 1 is, with probability ``p_transition``, a successor of the item ``lag`` steps back
@@ -36,15 +42,16 @@ still active), seeded by ``seed``.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from pipeline.config import ConfigError
-from pipeline.seqrec import data, metrics
+from pipeline.seqrec import data
 
 KEYS = ("n_users", "n_items", "mean_len", "min_len", "max_len", "len_sigma", "zipf", "zipf_offset", "n_topics",
-        "topic_concentration", "n_successors", "p_transition", "lag_max", "lag_decay")
+        "topic_concentration", "n_successors", "successor_block", "p_transition", "lag_max", "lag_decay")
 
 
 def _get(cfg, key):
@@ -82,6 +89,7 @@ def parameters(cfg) -> dict:
         n_topics=_int(cfg, "n_topics", 1),
         topic_concentration=_num(cfg, "topic_concentration", 0, math.inf, high_open=True),
         n_successors=_int(cfg, "n_successors", 1),
+        successor_block=_int(cfg, "successor_block", 0),
         p_transition=_num(cfg, "p_transition", 0, 1, low_open=False),
         lag_max=_int(cfg, "lag_max", 1),
         lag_decay=_num(cfg, "lag_decay", 0, 1),
@@ -96,13 +104,91 @@ def parameters(cfg) -> dict:
     return p
 
 
+@dataclass
+class Successors:
+    """The kernel T above. Item i owns [left[i], right[i]) of [0, 1) (index = item id); layer
+    s's interval ends, shifted by s so that all layers form one sorted array, are
+    ``layer_bounds`` (S * M), and ``layer_items`` the item owning each of them."""
+
+    p: np.ndarray
+    left: np.ndarray
+    right: np.ndarray
+    layer_bounds: np.ndarray
+    layer_items: np.ndarray
+    S: int
+
+    @classmethod
+    def draw(cls, p: np.ndarray, S: int, block: int, rng) -> "Successors":
+        M = len(p) - 1
+        by_rank = np.argsort(-p[1:], kind="stable") + 1  # item ids, most popular first
+        ends = np.cumsum(p[by_rank])
+        ends /= ends[-1]
+        left, right = np.zeros(M + 1), np.zeros(M + 1)
+        right[by_rank], left[by_rank] = ends, np.concatenate([[0.0], ends[:-1]])
+        layers = []
+        for _ in range(S):  # each layer: the items in popularity order, shuffled within blocks
+            key = (np.arange(M) // block if block else np.zeros(M)) + rng.random(M)
+            layers.append(by_rank[np.argsort(key)])
+        order = np.concatenate(layers)
+        layer_bounds = np.cumsum(p[order].reshape(S, M), 1)
+        layer_bounds /= layer_bounds[:, -1:]  # exactly 1 at each layer's end
+        layer_bounds += np.arange(S)[:, None]
+        return cls(p=p, left=left, right=right, layer_bounds=layer_bounds.reshape(-1), layer_items=order, S=S)
+
+    def _piece(self, layer, lo, hi):
+        """Index range (first, last) of layer intervals that meet [lo, hi) (already shifted)."""
+        M = len(self.p) - 1
+        first = np.searchsorted(self.layer_bounds, lo, side="right").clip(layer * M, layer * M + M - 1)
+        last = np.searchsorted(self.layer_bounds, hi, side="left").clip(layer * M, layer * M + M - 1)
+        return first, np.maximum(last, first)
+
+    def sample(self, src: np.ndarray, rng) -> np.ndarray:
+        layer = rng.integers(self.S, size=len(src))
+        lo, hi = self.left[src] + layer, self.right[src] + layer
+        u = np.minimum(lo + rng.random(len(src)) * (hi - lo), np.nextafter(hi, -np.inf))
+        return self.layer_items[self._piece(layer, u, u)[0]]
+
+    def rows(self, src: np.ndarray):
+        """T(src[r], .) as flat triples (r, item, probability), over every layer."""
+        r, layer = np.divmod(np.arange(len(src) * self.S), self.S)
+        lo, hi = self.left[src[r]] + layer, self.right[src[r]] + layer
+        first, last = self._piece(layer, lo, hi)
+        count = last - first + 1
+        r, lo, hi, layer = (np.repeat(a, count) for a in (r, lo, hi, layer))
+        k = np.repeat(first - np.cumsum(count) + count, count) + np.arange(count.sum())
+        start = k == layer * (len(self.p) - 1)  # a layer's first interval starts at s
+        left = np.where(start, layer, self.layer_bounds[np.maximum(k - 1, 0)])
+        overlap = np.minimum(hi, self.layer_bounds[k]) - np.maximum(lo, left)
+        w = overlap / (hi - lo) / self.S
+        keep = w > 0
+        return r[keep], self.layer_items[k[keep]], w[keep]
+
+
+@dataclass
+class Truth:
+    """The generator's state (generation order of users) that the oracle and the tests read."""
+
+    rows: np.ndarray  # generation-order user -> row of Sequences
+    x: np.ndarray  # every item, time-major: (t, user) at off[t] + user
+    off: np.ndarray
+    n: np.ndarray  # lengths (decreasing)
+    theta: np.ndarray  # (U, K) topic preferences
+    p: np.ndarray  # (M + 1,) popularity
+    P: np.ndarray  # (K,) topic masses
+    topic: np.ndarray  # (M + 1,)
+    succ: Successors
+    lag_p: np.ndarray  # P(lag = l), l = 1..lag_max
+    beta: float
+    target: np.ndarray  # test target per generation-order user
+
+
 def generate(cfg, L: int, seed: int) -> data.Sequences:
     """The synthetic data set of ``cfg`` (see the module docstring)."""
     return generate_with_truth(cfg, L, seed)[0]
 
 
-def generate_with_truth(cfg, L: int, seed: int):
-    """(Sequences, the generator's state that the oracle reads: for tests)."""
+def generate_with_truth(cfg, L: int, seed: int) -> tuple[data.Sequences, Truth]:
+    """(Sequences, the generator's state that the oracle reads)."""
     data.check_L(L)
     c = parameters(cfg)
     rng = np.random.default_rng(seed)
@@ -118,7 +204,7 @@ def generate_with_truth(cfg, L: int, seed: int):
     P = np.bincount(topic[1:], weights=p[1:], minlength=K)
     theta = rng.gamma(c["topic_concentration"] * P, size=(U, K)) + 1e-300
     theta /= theta.sum(1, keepdims=True)
-    succ = rng.choice(M, size=(M + 1, S), p=p[1:]) + 1
+    succ = Successors.draw(p, S, c["successor_block"], rng)
     grouped = np.argsort(topic[1:], kind="stable") + 1  # item ids grouped by topic
     cum = np.cumsum(p[grouped])
     count = np.bincount(topic[1:], minlength=K)
@@ -138,16 +224,15 @@ def generate_with_truth(cfg, L: int, seed: int):
     t_of = np.repeat(np.arange(T), active)  # time-major flat layout: (t, user) at off[t] + user
     u_of = np.arange(N) - off[t_of]
 
-    # draws that do not depend on the past: topic draws, mechanism, lag, successor slot
+    # draws that do not depend on the past: topic draws, mechanism, lag
     k = (np.cumsum(theta, 1)[u_of] < rng.random(N)[:, None]).sum(1).clip(max=K - 1)
     j = np.searchsorted(cum, mass_before[k] + rng.random(N) * P[k], side="right")
     x = grouped[np.clip(j, first[k], first[k] + count[k] - 1)]
     trans = (rng.random(N) < beta) & (t_of > 0)
     lag = np.minimum(rng.choice(c["lag_max"], size=N, p=lag_p) + 1, t_of)
-    slot = rng.integers(S, size=N)
-    for t in range(1, T):  # successors depend on the past: one gather per step
+    for t in range(1, T):  # successors depend on the past: one vectorised draw per step
         at = off[t] + np.flatnonzero(trans[off[t]:off[t + 1]])
-        x[at] = succ[x[off[t - lag[at]] + u_of[at]], slot[at]]
+        x[at] = succ.sample(x[off[t - lag[at]] + u_of[at]], rng)
 
     # user-major order, users relabelled at random, then the shared split
     label = rng.permutation(U)
@@ -156,49 +241,49 @@ def generate_with_truth(cfg, L: int, seed: int):
 
     # ground truth at each user's last position (the test target)
     last = off[n - 1] + np.arange(U)  # flat index of the test target, users in generation order
-    rows = label  # generation-order user -> row of seqs
     relevant = torch.zeros(U, L, dtype=torch.bool)
     hit = trans[last] & (lag[last] <= L)
-    relevant[torch.from_numpy(rows[hit]), torch.from_numpy(L - lag[last][hit])] = True
+    relevant[torch.from_numpy(label[hit]), torch.from_numpy(L - lag[last][hit])] = True
     seqs.relevant = relevant
-    truth = (seqs, rows, x, off, n, theta, p, P, topic, succ, lag_p, beta)
-    seqs.best = _oracle(*truth)
+    truth = Truth(rows=label, x=x, off=off, n=n, theta=theta, p=p, P=P, topic=topic, succ=succ,
+                  lag_p=lag_p, beta=beta, target=x[last])
+    r = torch.from_numpy(oracle_ranks(truth)).double()
+    hit10 = r <= 10
+    seqs.best = {"NDCG@10": 100 * torch.where(hit10, 1 / torch.log2(r + 1), 0.0).mean().item(),
+                 "HIT@10": 100 * hit10.double().mean().item()}
     return seqs, truth
 
 
-def _oracle(seqs, rows, x, off, n, theta, p, P, topic, succ, lag_p, beta) -> dict[str, float]:
-    """NDCG@10 / HIT@10 (%) of ranking by the exact next-item probability at the test position."""
-    r = torch.from_numpy(oracle_ranks(seqs, rows, x, off, n, theta, p, P, topic, succ, lag_p, beta)).double()
-    hit = r <= 10
-    return {"NDCG@10": 100 * torch.where(hit, 1 / torch.log2(r + 1), 0.0).mean().item(),
-            "HIT@10": 100 * hit.double().mean().item()}
+def _transition_part(truth: Truth, users: np.ndarray):
+    """Flat triples (row, item, mass) of beta * sum_l pi'_l T(x_{t-l}, .) at the test position
+    t = n_u - 1 of ``users`` (row r is users[r]); a lag beyond the first item lands on it."""
+    lags = np.arange(1, len(truth.lag_p) + 1)
+    pos = np.maximum((truth.n[users] - 1)[:, None] - lags[None, :], 0)
+    src = truth.x[truth.off[pos] + users[:, None]]  # (users, lag_max) source items
+    r, item, w = truth.succ.rows(src.reshape(-1))
+    row, lag_index = np.divmod(r, len(lags))
+    return row, item, truth.beta * truth.lag_p[lag_index] * w
 
 
-def _parts(seqs, rows, x, off, n, theta, p, P, topic, succ, lag_p, beta):
-    """Per user (generation order): the target, the topic-draw weights and the sparse
-    transition part of P(x_t = . | past, theta_u) at the test position t = n_u - 1."""
-    U, S = len(n), succ.shape[1]
-    within = p / np.where(P[topic] > 0, P[topic], 1)  # p(j | topic of j); [0] = 0
-    lags = np.arange(1, len(lag_p) + 1)
-    src_pos = np.maximum((n - 1)[:, None] - lags[None, :], 0)  # lags beyond the first item land on it
-    src = x[off[src_pos] + np.arange(U)[:, None]]  # (U, lag_max) source items
-    succ_items = succ[src].reshape(U, -1)  # (U, lag_max * S): the sparse support of the transition part
-    succ_w = np.broadcast_to(np.repeat(beta * lag_p / S, S), succ_items.shape)
-    target = seqs.test_target.numpy()[rows]
-    return target, within, succ_items, succ_w
+def _topic_part(truth: Truth, users: np.ndarray, items: np.ndarray) -> np.ndarray:
+    """(1 - beta) q_u(item) for users[r], items[r]."""
+    within = truth.p[items] / truth.P[truth.topic[items]]
+    return (1 - truth.beta) * truth.theta[users, truth.topic[items]] * within
 
 
-def dense_probabilities(seqs, rows, x, off, n, theta, p, P, topic, succ, lag_p, beta, users=None):
+def dense_probabilities(truth: Truth, users: np.ndarray | None = None) -> np.ndarray:
     """(len(users), M + 1) exact next-item probabilities at the test position (the reference)."""
-    target, within, items, w = _parts(seqs, rows, x, off, n, theta, p, P, topic, succ, lag_p, beta)
-    users = np.arange(len(n)) if users is None else users
-    prob = np.zeros((len(users), len(p)))
-    prob[:, 1:] = (1 - beta) * theta[users][:, topic[1:]] * within[1:]
-    np.add.at(prob, (np.arange(len(users))[:, None].repeat(items.shape[1], 1), items[users]), w[users])
+    users = np.arange(len(truth.n)) if users is None else users
+    M = len(truth.p) - 1
+    items = np.arange(1, M + 1)
+    prob = np.zeros((len(users), M + 1))
+    prob[:, 1:] = _topic_part(truth, users[:, None], items[None, :])
+    row, item, w = _transition_part(truth, users)
+    np.add.at(prob, (row, item), w)
     return prob
 
 
-def oracle_ranks(seqs, rows, x, off, n, theta, p, P, topic, succ, lag_p, beta) -> np.ndarray:
+def oracle_ranks(truth: Truth) -> np.ndarray:
     """Rank (1 = best, ties pessimistic) of each user's test target under the exact probability,
     without an n_users x M table.
 
@@ -208,31 +293,30 @@ def oracle_ranks(seqs, rows, x, off, n, theta, p, P, topic, succ, lag_p, beta) -
     topic so that one sorted array serves every topic). The items of D_u and the target are
     then removed from that count, by the same comparison, and counted exactly.
     """
-    target, within, items, w = _parts(seqs, rows, x, off, n, theta, p, P, topic, succ, lag_p, beta)
-    U, K = theta.shape
-    # sparse part, deduplicated per user: D_u = successors of the sources, plus the target
-    cand = np.concatenate([items, target[:, None]], 1)
-    w_all = np.concatenate([w, np.zeros((U, 1))], 1)
-    tr, first = np.empty(cand.shape), np.empty(cand.shape, dtype=bool)
-    for a in range(0, U, 4096):  # blocks of users bound the (users, |D|, |D|) comparison
-        same = cand[a:a + 4096, :, None] == cand[a:a + 4096, None, :]
-        tr[a:a + 4096] = np.einsum("uij,uj->ui", same, w_all[a:a + 4096])  # transition mass of each candidate
-        first[a:a + 4096] = ~np.tril(same, -1).any(2)  # first occurrence of each item in the row
-    uu = np.arange(U)[:, None]
-    q = lambda j: (1 - beta) * theta[uu, topic[j]] * within[j]  # noqa: E731
-    prob_cand = q(cand) + tr
-    p_t = prob_cand[:, -1:]
+    U, K = truth.theta.shape
+    M = len(truth.p) - 1
+    users = np.arange(U)
+    row, item, w = _transition_part(truth, users)
+    # D_u (plus the target, with no transition mass) as unique (user, item) keys with their mass
+    key, inverse = np.unique(np.concatenate([row * (M + 1) + item, users * (M + 1) + truth.target]),
+                             return_inverse=True)
+    tr = np.bincount(inverse, weights=np.concatenate([w, np.zeros(U)]))
+    du, dj = np.divmod(key, M + 1)
+    prob_d = _topic_part(truth, du, dj) + tr
+    t_at = np.searchsorted(key, users * (M + 1) + truth.target)
+    p_t = prob_d[t_at]
     # items of every topic whose topic-draw probability alone reaches p_t
-    spread = 4 * (np.abs(np.log(within[1:])).max() + 1)
-    key = np.log(within[1:]) + spread * topic[1:]
-    sorted_key = np.sort(key)
-    size = np.bincount(topic[1:], minlength=K)
+    log_within = np.log(truth.p[1:] / truth.P[truth.topic[1:]])
+    spread = 4 * (np.abs(log_within).max() + 1)
+    item_key = np.concatenate([[np.inf], log_within + spread * truth.topic[1:]])  # [0]: never counted
+    sorted_key = np.sort(item_key[1:])
+    size = np.bincount(truth.topic[1:], minlength=K)
     end = np.cumsum(size)
     with np.errstate(divide="ignore"):
-        value = np.log(p_t) - np.log((1 - beta) * theta) + spread * np.arange(K)[None, :]
+        value = np.log(p_t)[:, None] - np.log((1 - truth.beta) * truth.theta) + spread * np.arange(K)[None, :]
     # a threshold outside topic k's block lands in another block: clip to 0..size_k
     count_q = (end[None, :] - np.searchsorted(sorted_key, value, side="left")).clip(0, size).sum(1)
-    counted = key[cand - 1] >= value[uu, topic[cand]]  # the same comparison, for D_u and the target
-    count_q -= (counted & first).sum(1)
-    others = (prob_cand[:, :-1] >= p_t) & first[:, :-1] & (cand[:, :-1] != target[:, None])
-    return 1 + count_q + others.sum(1)
+    counted = item_key[dj] >= value[du, truth.topic[dj]]  # the same comparison, for D_u and the target
+    count_q -= np.bincount(du, weights=counted, minlength=U).astype(np.int64)
+    others = (prob_d >= p_t[du]) & (dj != truth.target[du])
+    return 1 + count_q + np.bincount(du, weights=others, minlength=U).astype(np.int64)
