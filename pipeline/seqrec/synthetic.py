@@ -226,7 +226,10 @@ def generate_with_truth(cfg, L: int, seed: int) -> tuple[data.Sequences, Truth]:
     u_of = np.arange(N) - off[t_of]
 
     # draws that do not depend on the past: topic draws, mechanism, lag
-    k = (np.cumsum(theta, 1)[u_of] < rng.random(N)[:, None]).sum(1).clip(max=K - 1)
+    # topic ~ theta_u: one searchsorted in every user's CDF, user u's shifted by u
+    cdf = np.cumsum(theta, 1)
+    cdf = (cdf / cdf[:, -1:] + np.arange(U)[:, None]).reshape(-1)
+    k = (np.searchsorted(cdf, u_of + rng.random(N), side="right") - u_of * K).clip(0, K - 1)
     j = np.searchsorted(cum, mass_before[k] + rng.random(N) * P[k], side="right")
     x = grouped[np.clip(j, first[k], first[k] + count[k] - 1)]
     trans = (rng.random(N) < beta) & (t_of > 0)
