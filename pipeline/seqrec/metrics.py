@@ -11,9 +11,11 @@ not against 100 sampled negatives: the DPFormer paper's numbers imply full ranki
 - History items are NOT excluded by default (``exclude=None``): every item competes. The
   synthetic data repeat items by design and real logs can (repeat purchases), so excluding
   the history could hide a correct prediction; and one rule for every data set keeps the
-  numbers comparable. (SASRec's own evaluation samples its 100 negatives among items the user
-  has not rated; ``exclude`` gives that variant under full ranking: items listed there, e.g.
-  ``test_input``, score -inf except the target itself.)
+  numbers comparable. SASRec's own evaluation (kang205/SASRec, util.py) does exclude: it draws
+  its 100 negatives among items outside the user's training part (and scores only 10,000
+  random users when there are more). ``exclude`` gives that variant under full ranking: the
+  items it lists (e.g. ``valid_input``, the training part's last L items) score -inf, except
+  the target itself, which always competes.
 - Users whose target is 0 (no held-out item) are skipped; ``n`` says how many counted.
 """
 
