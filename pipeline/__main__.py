@@ -5,14 +5,14 @@ import sys
 import hydra
 from omegaconf import DictConfig
 
-from pipeline import cell
+from pipeline import tasks
 from pipeline.config import ConfigError
 
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="config")
 def main(cfg: DictConfig) -> None:
     try:
-        cell.run(cfg)
+        tasks.run(cfg)
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         sys.exit(2)

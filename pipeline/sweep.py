@@ -57,6 +57,14 @@ class SweepCallback(Callback):
         results = pd.concat(frames, ignore_index=True)
         csv = sweep_dir / "results.csv"
         results.to_csv(csv, index=False)
+        if config.get("task", "noisyhead") == "seqrec":
+            from pipeline.seqrec.cell import sweep_artifacts
+
+            tracking.setup(config)
+            tracking.finish_sweep(sweep, config.get("experiment_name") or "sweep seqrec",
+                                  [str(csv), *sweep_artifacts(results, sweep_dir)],
+                                  params={"cells": len(frames), "task": "seqrec", "sweep_dir": str(sweep_dir)})
+            return
         figs = plot.figures(results, config.plot, sweep_dir, labels=cell.method_labels(config))
         artifacts = [str(csv), *map(str, figs)]
         if config.report.table:

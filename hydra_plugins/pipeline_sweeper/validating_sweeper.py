@@ -16,7 +16,8 @@ from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
 
 class ValidatingSweeper(BasicSweeper):
     def validate_batch_is_legal(self, batch: Sequence[Sequence[str]]) -> None:
-        from pipeline.config import ConfigError, validate
+        from pipeline.config import ConfigError
+        from pipeline.tasks import validate
 
         loader = self.hydra_context.config_loader
         for overrides in batch:
