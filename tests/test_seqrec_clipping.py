@@ -49,8 +49,8 @@ def flat_grad(model):
                       for p in model.parameters()])
 
 
-def clip_cfg(rule="classic", C=0.3, form="auto"):
-    return OmegaConf.create(dict(C=C, rule=rule, gamma=0.01, norm_form=form))
+def clip_cfg(rule="classic", C=0.3, form="auto", sum_by="bookkeeping"):
+    return OmegaConf.create(dict(C=C, rule=rule, gamma=0.01, norm_form=form, sum_by=sum_by))
 
 
 @pytest.mark.parametrize("arch,tied", MODELS)
@@ -80,7 +80,7 @@ def test_phantom_equals_opacus_hooks_mode(arch, tied):
     torch.testing.assert_close(flat_grad(b), flat_grad(a), rtol=1e-6, atol=1e-12)
 
 
-@pytest.mark.parametrize("engine", ["phantom", "per_sample"])
+@pytest.mark.parametrize("engine", ["phantom:bookkeeping", "phantom:backward", "per_sample"])
 @pytest.mark.parametrize("rule", ["classic", "automatic"])
 @pytest.mark.parametrize("arch,tied", MODELS)
 def test_clipped_sum_and_every_clipped_norm_at_most_C(engine, rule, arch, tied):
@@ -89,7 +89,8 @@ def test_clipped_sum_and_every_clipped_norm_at_most_C(engine, rule, arch, tied):
     C = 0.3
     model = build(arch, tied)
     per_user = brute_force(model)
-    _, found = clipping.make(engine, model, clip_cfg(rule, C)).step(IDS, TARGETS)
+    name, _, sum_by = engine.partition(":")
+    _, found = clipping.make(name, model, clip_cfg(rule, C, sum_by=sum_by or "bookkeeping")).step(IDS, TARGETS)
     c = clipping.coefficients(found, C=C, rule=rule, gamma=0.01)
     clipped = c[:, None] * per_user
     assert (clipped.norm(dim=1) <= C * (1 + 1e-9)).all()

@@ -75,7 +75,7 @@ def noisy_gradient(engine, model, ids, targets, *, sigma: float, C: float, expec
             continue
         g = torch.zeros_like(p) if p.grad is None else p.grad
         if sigma > 0:
-            g = g + sigma * C * torch.randn(p.shape, generator=generator, dtype=p.dtype)
+            g = g + sigma * C * torch.randn(p.shape, generator=generator, dtype=p.dtype, device=p.device)
         p.grad = g / expected_batch
     return losses, norms
 

@@ -37,7 +37,7 @@ def make(name: str, model, clip) -> "object":
         return NonPrivate(model)
     if name == "phantom":
         from pipeline.seqrec.clipping.phantom import Phantom
-        return Phantom(model, coef, form=clip.get("norm_form", "auto"))
+        return Phantom(model, coef, form=clip.get("norm_form", "auto"), sum_by=clip.get("sum_by", "bookkeeping"))
     if name == "per_sample":
         from pipeline.seqrec.clipping.per_sample import PerSample
         return PerSample(model, coef)

@@ -148,3 +148,78 @@ def tied_embedding(layer: TiedEmbedding, calls, mode: str = "auto") -> dict:
         eh = h @ e.transpose(1, 2)  # <h_t, e_s>
         total = total + 2 * (Gx * eh * (ids != 0)[:, None, :]).sum((1, 2))
     return {layer.weight: total}
+
+
+# ------------------------------------------------------------------------------------------------
+# Book-keeping: the clipped sum sum_i c_i g_i of one layer from the same (input, output gradient)
+# pairs, without a second backward pass: ``SUMS[layer type](layer, calls, c) -> {parameter: gradient}``.
+
+SUMS: dict[type, Callable] = {}
+
+
+def register_sum(layer_type: type):
+    def wrap(fn):
+        SUMS[layer_type] = fn
+        return fn
+    return wrap
+
+
+def _weighted(g: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+    return g * c.view(-1, *([1] * (g.dim() - 1)))
+
+
+@register_sum(nn.Linear)
+def linear_sum(layer: nn.Linear, calls, c) -> dict:
+    n = calls[0][0].shape[0]
+    a, g = _gather(calls, n)
+    g = _weighted(g, c).reshape(-1, g.shape[-1])
+    out = {layer.weight: g.T @ a.reshape(-1, a.shape[-1]).to(g.dtype)}
+    if layer.bias is not None:
+        out[layer.bias] = g.sum(0)
+    return out
+
+
+@register_sum(nn.LayerNorm)
+def layer_norm_sum(layer: nn.LayerNorm, calls, c) -> dict:
+    n = calls[0][0].shape[0]
+    x, g = _gather(calls, n)
+    g = _weighted(g, c)
+    out = {}
+    if layer.weight is not None:
+        out[layer.weight] = (g * F.layer_norm(x, layer.normalized_shape, eps=layer.eps)).sum((0, 1))
+    if layer.bias is not None:
+        out[layer.bias] = g.sum((0, 1))
+    return out
+
+
+def _lookup_sum(weight: torch.Tensor, ids: torch.Tensor, e: torch.Tensor, c, padding_idx) -> torch.Tensor:
+    grad = torch.zeros_like(weight).index_add_(0, ids.reshape(-1), _weighted(e, c).reshape(-1, e.shape[-1]))
+    if padding_idx is not None:
+        grad[padding_idx] = 0
+    return grad
+
+
+@register_sum(nn.Embedding)
+def embedding_sum(layer: nn.Embedding, calls, c) -> dict:
+    n = calls[0][0].shape[0]
+    ids = torch.cat([a.reshape(n, -1) for a, _ in calls], 1)
+    e = torch.cat([_tokens(g, n) for _, g in calls], 1)
+    return {layer.weight: _lookup_sum(layer.weight, ids, e, c, layer.padding_idx)}
+
+
+@register_sum(TiedEmbedding)
+def tied_embedding_sum(layer: TiedEmbedding, calls, c) -> dict:
+    """Input side: the weighted lookup gradients added at their items; output side: (c G)^T H on
+    rows 1..M."""
+    n = calls[0][0].shape[0]
+    grad = torch.zeros_like(layer.weight)
+    looks = [(a, g) for a, g in calls if not a.is_floating_point()]
+    outs = [(a, g) for a, g in calls if a.is_floating_point()]
+    if looks:
+        ids = torch.cat([a.reshape(n, -1) for a, _ in looks], 1)
+        e = torch.cat([_tokens(g, n) for _, g in looks], 1)
+        grad = grad + _lookup_sum(layer.weight, ids, e, c, 0)
+    if outs:
+        h, G = _gather(outs, n)
+        grad[1:] += _weighted(G, c).reshape(-1, G.shape[-1]).T @ h.reshape(-1, h.shape[-1])
+    return {layer.weight: grad}

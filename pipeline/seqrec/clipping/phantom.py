@@ -6,14 +6,16 @@ respect to those outputs only (no parameter gradient is formed), gives every lay
 gradients; each layer's norm function turns (inputs, output gradients) into per-user squared
 norms, the tied item table's including the cross term between its input and output uses. The
 clipped sum is then a second backward pass through the same graph (same dropout masks) of
-sum_i c_i L_i, with c_i the clipping coefficient of user i's total norm.
+sum_i c_i L_i, with c_i the clipping coefficient of user i's total norm (``sum_by: backward``), or
+book-keeping (``sum_by: bookkeeping``): each layer's clipped gradient formed directly from the
+recorded inputs and output gradients weighted by c_i (``norms.SUMS``), no second pass.
 """
 
 from __future__ import annotations
 
 import torch
 
-from pipeline.seqrec.clipping.norms import NORMS
+from pipeline.seqrec.clipping.norms import NORMS, SUMS
 from pipeline.seqrec.models import user_losses
 
 
@@ -40,12 +42,21 @@ def owners(model: torch.nn.Module) -> dict[torch.nn.Module, list[torch.nn.Parame
     return found
 
 
+SUM_BY = ("bookkeeping", "backward")
+
+
 class Phantom:
     private = True
 
-    def __init__(self, model, coef, form: str = "auto"):
-        self.model, self.coef, self.form = model, coef, form
+    def __init__(self, model, coef, form: str = "auto", sum_by: str = "bookkeeping"):
+        if sum_by not in SUM_BY:
+            raise ValueError(f"unknown sum_by {sum_by!r}; known: {SUM_BY}")
+        self.model, self.coef, self.form, self.sum_by = model, coef, form, sum_by
         self.layers = owners(model)
+        if sum_by == "bookkeeping":
+            missing = {type(m).__name__ for m in self.layers if type(m) not in SUMS}
+            if missing:
+                raise TypeError(f"no book-keeping sum for {sorted(missing)}: use sum_by=backward")
         self._calls: dict[torch.nn.Module, list] = {}
         for module in self.layers:
             module.register_forward_hook(self._record)
@@ -58,6 +69,10 @@ class Phantom:
 
     def per_user_sq_norms(self, ids, targets):
         """Forward, per-user losses (n,), per-user squared norms (n,) of the whole model's gradient."""
+        losses, sq, _ = self._norms(ids, targets)
+        return losses, sq
+
+    def _norms(self, ids, targets):
         self._calls = {}
         self._active = True
         try:
@@ -65,7 +80,8 @@ class Phantom:
         finally:
             self._active = False
         calls = [(m, a, o) for m, recs in self._calls.items() for a, o in recs]
-        grads = torch.autograd.grad(losses.sum(), [o for _, _, o in calls], retain_graph=True, allow_unused=True)
+        grads = torch.autograd.grad(losses.sum(), [o for _, _, o in calls], retain_graph=self.sum_by == "backward",
+                                    allow_unused=True)
         per_layer: dict[torch.nn.Module, list] = {}
         for (m, a, o), g in zip(calls, grads):
             per_layer.setdefault(m, []).append((a, torch.zeros_like(o) if g is None else g))
@@ -74,12 +90,17 @@ class Phantom:
             for value in NORMS[type(m)](m, layer_calls, self.form).values():
                 sq = sq + value
         self._calls = {}
-        return losses, sq
+        return losses, sq, per_layer
 
     def step(self, ids, targets):
-        losses, sq = self.per_user_sq_norms(ids, targets)
+        losses, sq, per_layer = self._norms(ids, targets)
         norms = sq.clamp(min=0).sqrt().detach()
         c = self.coef(norms)
         self.model.zero_grad()
-        (c * losses).sum().backward()
+        if self.sum_by == "backward":
+            (c * losses).sum().backward()
+        else:
+            for m, layer_calls in per_layer.items():
+                for p, g in SUMS[type(m)](m, layer_calls, c).items():
+                    p.grad = g if p.grad is None else p.grad + g
         return losses.detach(), norms
