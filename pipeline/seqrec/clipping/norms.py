@@ -41,10 +41,12 @@ def _tokens(t: torch.Tensor, n: int) -> torch.Tensor:
     return t.reshape(n, -1, t.shape[-1])
 
 
+def _cat(parts: list[torch.Tensor]) -> torch.Tensor:
+    return parts[0] if len(parts) == 1 else torch.cat(parts, 1)  # one call: a view, no copy
+
+
 def _gather(calls, n: int):
-    a = torch.cat([_tokens(a, n) for a, _ in calls], 1)
-    g = torch.cat([_tokens(g, n) for _, g in calls], 1)
-    return a, g
+    return _cat([_tokens(a, n) for a, _ in calls]), _cat([_tokens(g, n) for _, g in calls])
 
 
 def gram_inner(a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
@@ -105,8 +107,8 @@ def _lookup_norm(ids: torch.Tensor, e: torch.Tensor, padding_idx: int | None) ->
 @register(nn.Embedding)
 def embedding(layer: nn.Embedding, calls, mode: str = "auto") -> dict:
     n = calls[0][0].shape[0]
-    ids = torch.cat([a.reshape(n, -1) for a, _ in calls], 1)
-    e = torch.cat([_tokens(g, n) for _, g in calls], 1)
+    ids = _cat([a.reshape(n, -1) for a, _ in calls])
+    e = _cat([_tokens(g, n) for _, g in calls])
     return {layer.weight: _lookup_norm(ids, e, layer.padding_idx)}
 
 
@@ -136,8 +138,8 @@ def tied_embedding(layer: TiedEmbedding, calls, mode: str = "auto") -> dict:
     outs = [(a, g) for a, g in calls if a.is_floating_point()]
     total = calls[0][1].new_zeros(n)
     if looks:
-        ids = torch.cat([a.reshape(n, -1) for a, _ in looks], 1)
-        e = torch.cat([_tokens(g, n) for _, g in looks], 1)
+        ids = _cat([a.reshape(n, -1) for a, _ in looks])
+        e = _cat([_tokens(g, n) for _, g in looks])
         total = total + _lookup_norm(ids, e, padding_idx=0)
     if outs:
         h, G = _gather(outs, n)
@@ -168,14 +170,23 @@ def _weighted(g: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
     return g * c.view(-1, *([1] * (g.dim() - 1)))
 
 
+def _weighted_product(g: torch.Tensor, a: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+    """sum_i c_i G_i^T A_i for g (n, T, o), a (n, T, i), weighting the narrower of the two (the
+    (n, T, M) score gradient is never copied)."""
+    if a.shape[-1] <= g.shape[-1]:
+        a = _weighted(a, c)
+    else:
+        g = _weighted(g, c)
+    return g.reshape(-1, g.shape[-1]).T @ a.reshape(-1, a.shape[-1])
+
+
 @register_sum(nn.Linear)
 def linear_sum(layer: nn.Linear, calls, c) -> dict:
     n = calls[0][0].shape[0]
     a, g = _gather(calls, n)
-    g = _weighted(g, c).reshape(-1, g.shape[-1])
-    out = {layer.weight: g.T @ a.reshape(-1, a.shape[-1]).to(g.dtype)}
+    out = {layer.weight: _weighted_product(g, a.to(g.dtype), c)}
     if layer.bias is not None:
-        out[layer.bias] = g.sum(0)
+        out[layer.bias] = c @ g.sum(1)
     return out
 
 
@@ -183,12 +194,11 @@ def linear_sum(layer: nn.Linear, calls, c) -> dict:
 def layer_norm_sum(layer: nn.LayerNorm, calls, c) -> dict:
     n = calls[0][0].shape[0]
     x, g = _gather(calls, n)
-    g = _weighted(g, c)
     out = {}
     if layer.weight is not None:
-        out[layer.weight] = (g * F.layer_norm(x, layer.normalized_shape, eps=layer.eps)).sum((0, 1))
+        out[layer.weight] = c @ (g * F.layer_norm(x, layer.normalized_shape, eps=layer.eps)).sum(1)
     if layer.bias is not None:
-        out[layer.bias] = g.sum((0, 1))
+        out[layer.bias] = c @ g.sum(1)
     return out
 
 
@@ -202,8 +212,8 @@ def _lookup_sum(weight: torch.Tensor, ids: torch.Tensor, e: torch.Tensor, c, pad
 @register_sum(nn.Embedding)
 def embedding_sum(layer: nn.Embedding, calls, c) -> dict:
     n = calls[0][0].shape[0]
-    ids = torch.cat([a.reshape(n, -1) for a, _ in calls], 1)
-    e = torch.cat([_tokens(g, n) for _, g in calls], 1)
+    ids = _cat([a.reshape(n, -1) for a, _ in calls])
+    e = _cat([_tokens(g, n) for _, g in calls])
     return {layer.weight: _lookup_sum(layer.weight, ids, e, c, layer.padding_idx)}
 
 
@@ -216,10 +226,10 @@ def tied_embedding_sum(layer: TiedEmbedding, calls, c) -> dict:
     looks = [(a, g) for a, g in calls if not a.is_floating_point()]
     outs = [(a, g) for a, g in calls if a.is_floating_point()]
     if looks:
-        ids = torch.cat([a.reshape(n, -1) for a, _ in looks], 1)
-        e = torch.cat([_tokens(g, n) for _, g in looks], 1)
+        ids = _cat([a.reshape(n, -1) for a, _ in looks])
+        e = _cat([_tokens(g, n) for _, g in looks])
         grad = grad + _lookup_sum(layer.weight, ids, e, c, 0)
     if outs:
         h, G = _gather(outs, n)
-        grad[1:] += _weighted(G, c).reshape(-1, G.shape[-1]).T @ h.reshape(-1, h.shape[-1])
+        grad[1:] += _weighted_product(G, h, c)
     return {layer.weight: grad}

@@ -85,11 +85,13 @@ class Phantom:
         per_layer: dict[torch.nn.Module, list] = {}
         for (m, a, o), g in zip(calls, grads):
             per_layer.setdefault(m, []).append((a, torch.zeros_like(o) if g is None else g))
+        del calls, grads
+        self._calls = {}  # the recorded outputs (the n x T x M scores among them) can go
+        losses = losses.detach() if self.sum_by == "bookkeeping" else losses
         sq = losses.new_zeros(losses.shape[0])
         for m, layer_calls in per_layer.items():
             for value in NORMS[type(m)](m, layer_calls, self.form).values():
                 sq = sq + value
-        self._calls = {}
         return losses, sq, per_layer
 
     def step(self, ids, targets):
