@@ -1,9 +1,9 @@
 """Phantom Clipping: the clipped sum of per-user gradients without per-user gradients.
 
-One forward pass records, for every layer with a norm function (``norms.NORMS``), its input and
-its output at every call. One backward pass, ``autograd.grad`` of the summed per-user losses with
-respect to those outputs only (no parameter gradient is formed), gives every layer's output
-gradients; each layer's norm function turns (inputs, output gradients) into per-user squared
+One forward pass records, for every layer with a norm function (``norms.NORMS``), its input at
+every call and hooks its output's gradient. One backward pass, ``autograd.grad`` of the summed
+per-user losses with respect to the embedding lookups' outputs only (no parameter gradient is
+formed), fills every layer's output gradients; each layer's norm function turns (inputs, output gradients) into per-user squared
 norms, the tied item table's including the cross term between its input and output uses. The
 clipped sum is then a second backward pass through the same graph (same dropout masks) of
 sum_i c_i L_i, with c_i the clipping coefficient of user i's total norm (``sum_by: backward``), or
@@ -62,8 +62,17 @@ class Phantom:
             module.register_forward_hook(self._record)
 
     def _record(self, module, inputs, output):
-        if torch.is_grad_enabled() and self._active:
-            self._calls.setdefault(module, []).append((inputs[0].detach(), output))
+        """Keep the layer's input and catch its output gradient with a tensor hook; the output itself
+        is not kept (the n x T x M scores would otherwise outlive the loss). Outputs of layers fed by
+        no gradient-carrying input (the embedding lookups) are the sources the backward pass runs to."""
+        if not (torch.is_grad_enabled() and self._active):
+            return
+        slot = [inputs[0].detach(), None, output.shape, output.dtype]
+        self._calls.setdefault(module, []).append(slot)
+        if output.requires_grad:
+            output.register_hook(lambda g, slot=slot: slot.__setitem__(1, g))
+            if not inputs[0].requires_grad:
+                self._sources.append(output)
 
     _active = False
 
@@ -73,20 +82,20 @@ class Phantom:
         return losses, sq
 
     def _norms(self, ids, targets):
-        self._calls = {}
+        self._calls, self._sources = {}, []
         self._active = True
         try:
             losses = user_losses(self.model(ids), ids, targets)
         finally:
             self._active = False
-        calls = [(m, a, o) for m, recs in self._calls.items() for a, o in recs]
-        grads = torch.autograd.grad(losses.sum(), [o for _, _, o in calls], retain_graph=self.sum_by == "backward",
-                                    allow_unused=True)
+        # gradients w.r.t. the sources only: every recorded layer lies between them and the loss, so
+        # its output hook fires, and no parameter gradient is formed
+        torch.autograd.grad(losses.sum(), self._sources, retain_graph=self.sum_by == "backward", allow_unused=True)
         per_layer: dict[torch.nn.Module, list] = {}
-        for (m, a, o), g in zip(calls, grads):
-            per_layer.setdefault(m, []).append((a, torch.zeros_like(o) if g is None else g))
-        del calls, grads
-        self._calls = {}  # the recorded outputs (the n x T x M scores among them) can go
+        for m, recs in self._calls.items():
+            per_layer[m] = [(a, torch.zeros(shape, dtype=dtype, device=a.device) if g is None else g)
+                            for a, g, shape, dtype in recs]
+        self._calls, self._sources = {}, []
         losses = losses.detach() if self.sum_by == "bookkeeping" else losses
         sq = losses.new_zeros(losses.shape[0])
         for m, layer_calls in per_layer.items():
