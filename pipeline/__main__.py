@@ -10,10 +10,10 @@ from pipeline.config import ConfigError
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="config")
 def main(cfg: DictConfig) -> None:
-    from pipeline import cell  # here: a refused config does not wait for MLflow and plotting to load
+    from pipeline import tasks  # here: a refused config does not wait for MLflow and plotting to load
 
     try:
-        cell.run(cfg)
+        tasks.run(cfg)
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         sys.exit(2)

@@ -52,15 +52,11 @@ def run(cfg: DictConfig) -> Path:
     if cfg.compute.threads:
         torch.set_num_threads(int(cfg.compute.threads))
     out = output_dir()
-    sweep = tracking.current_sweep()
-    digest = tracking.config_hash(cfg)
-    if sweep is not None and sweep.resume and resumed(out, digest, sweep):
+    job = tracking.begin_cell(cfg, out)
+    if job is None:  # a resumed sweep: this folder holds the same cell, finished
         return out / "results.csv"
-    tracking.forget_record(out)  # whatever this folder held no longer describes it
     tracking.setup(cfg)
-    tags = {"kind": "cell", "regime": cfg.regime.name, "dataset": cfg.dataset.name, tracking.HASH_TAG: digest}
-    if sweep is not None:
-        tags |= {tracking.SWEEP_TAG: sweep.id, tracking.SWEEP_DIR_TAG: sweep.dir}
+    tags = job.tags() | {"task": "noisyhead", "regime": cfg.regime.name, "dataset": cfg.dataset.name}
     name = cell_name(cfg, const)
     with tracking.run(name, tags) as active:
         start = time.perf_counter()
@@ -80,20 +76,7 @@ def run(cfg: DictConfig) -> Path:
         for fig in figs:
             mlflow.log_artifact(str(fig))
         tracking.log_metrics("cell", {"seconds": time.perf_counter() - start})
-    tracking.write_record(out, {"run_id": active.info.run_id, "config_hash": digest, "status": "FINISHED",
-                                "sweep": sweep.id if sweep else None, "overrides": list(sweep.overrides) if sweep else None})
+    job.finished(active.info.run_id)
     log.info("%s\n%s", name, summary(results))
     log.info("wrote %s and %s", csv, ", ".join(str(f) for f in figs))
     return csv
-
-
-def resumed(out: Path, digest: str, sweep: tracking.Sweep) -> bool:
-    """Resuming a sweep: if this job folder holds a FINISHED cell of the same config, claim it
-    for this sweep and skip the compute."""
-    record = tracking.read_record(out)
-    if not record or record.get("config_hash") != digest or record.get("status") != "FINISHED" \
-            or not (out / "results.csv").is_file():
-        return False
-    tracking.write_record(out, record | {"sweep": sweep.id, "overrides": list(sweep.overrides)})
-    log.info("resume: %s finished earlier with the same config (run %s); skipped", out, record["run_id"])
-    return True

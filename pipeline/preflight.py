@@ -30,14 +30,16 @@ from pipeline.config import ConfigError, Constants
 _PORTS = {"http": 80, "https": 443, "postgresql": 5432, "mysql": 3306, "mssql": 1433}
 
 
-def check(cfg: DictConfig, const: Constants, output: str | Path | None = None, key: str | None = None) -> None:
+def check(cfg: DictConfig, const: Constants | None, output: str | Path | None = None, key: str | None = None) -> None:
     """Every environment check for one cell; ``output`` (named ``key``) is its output folder
-    (default: the Hydra job's, or the working directory outside Hydra)."""
+    (default: the Hydra job's, or the working directory outside Hydra). ``const`` None (a task
+    with no memory model, DPFormer's): the memory check is skipped."""
     if output is None:
         output, key = _job_output()
     folder(output, key or "output folder")
     tracking_store(cfg)
-    memory(cfg, const)
+    if const is not None:
+        memory(cfg, const)
 
 
 def _job_output() -> tuple[Path, str]:
@@ -248,7 +250,7 @@ class PreflightCallback(Callback):
     (the validating sweeper then checks every cell, values and memory, before any job starts)."""
 
     def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
-        from pipeline.config import validate
+        from pipeline.tasks import validate
 
         _exit_on_error(lambda: check(config, validate(config), Path(str(config.hydra.run.dir)), "hydra.run.dir"))
 

@@ -76,6 +76,12 @@ def summarise(config: DictConfig, sweep_id: str, sweep_dir: Path, cells: Cells) 
     results = pd.concat([pd.read_csv(Path(r["folder"]) / "results.csv") for r in cells.done], ignore_index=True)
     csv = sweep_dir / "results.csv"
     results.to_csv(csv, index=False)
+    if config.get("task", "noisyhead") == "seqrec":
+        from pipeline.seqrec.cell import sweep_artifacts
+
+        artifacts = [str(csv), *sweep_artifacts(results, sweep_dir)]
+        _finish(config, sweep_id, sweep_dir, cells, artifacts, {"task": "seqrec"})
+        return
     figs = plot.figures(results, config.plot, sweep_dir, labels=cell.method_labels(config))
     artifacts = [str(csv), *map(str, figs)]
     if config.report.table:
@@ -87,14 +93,21 @@ def summarise(config: DictConfig, sweep_id: str, sweep_dir: Path, cells: Cells) 
         (sweep_dir / "table.md").write_text(markdown)
         artifacts += [str(sweep_dir / "table.csv"), str(sweep_dir / "table.md")]
         log.info("table:\n%s", markdown)
+    _finish(config, sweep_id, sweep_dir, cells, artifacts, {"regime": config.regime.name})
+    if config.report.dir:  # after the parent run: a report that cannot be written loses nothing else
+        report(results, config, artifacts)
+    log.info("sweep of %d cells: wrote %s and %s", len(cells.done), csv, ", ".join(map(str, figs)))
+
+
+def _finish(config: DictConfig, sweep_id: str, sweep_dir: Path, cells: Cells, artifacts: list[str],
+            params: dict) -> None:
+    """The sweep's parent run: its artifacts, the cells that finished attached, the failed ones named."""
     tracking.setup(config)
-    name = config.get("experiment_name") or f"sweep {config.regime.name}"
-    params = {"cells": len(cells.done), "regime": config.regime.name, "sweep_dir": str(sweep_dir)}
+    task = config.get("task", "noisyhead")
+    name = config.get("experiment_name") or f"sweep {params.get('regime', task)}"
+    params = {"cells": len(cells.done), "task": task, "sweep_dir": str(sweep_dir)} | params
     tags = {tracking.SWEEP_DIR_TAG: str(Path(sweep_dir).resolve())}
     if cells.failed:
         params["failed_cells"] = "; ".join(cells.failed)[:6000]
         tags["failed_cells"] = str(len(cells.failed))
     tracking.finish_sweep(sweep_id, name, artifacts, params, [r["run_id"] for r in cells.done], tags)
-    if config.report.dir:  # after the parent run: a report that cannot be written loses nothing else
-        report(results, config, artifacts)
-    log.info("sweep of %d cells: wrote %s and %s", len(cells.done), csv, ", ".join(map(str, figs)))

@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import logging
 import os
 import signal
 import threading
@@ -29,6 +30,8 @@ from typing import Iterator, Mapping
 import mlflow
 from mlflow.entities import Metric, RunStatus
 from omegaconf import DictConfig, OmegaConf
+
+log = logging.getLogger(__name__)
 
 SWEEP_TAG = "sweep"
 SWEEP_DIR_TAG = "sweep_dir"
@@ -163,6 +166,49 @@ def write_record(folder: Path, record: Mapping[str, object]) -> None:
 
 def forget_record(folder: Path) -> None:
     (Path(folder) / RECORD).unlink(missing_ok=True)
+
+
+@dataclass(frozen=True)
+class Cell:
+    """One cell's place in the sweep machinery: its job folder, config digest and sweep."""
+    out: Path
+    digest: str
+    sweep: Sweep | None
+
+    def tags(self) -> dict[str, str]:
+        """The tags every cell run carries (its config hash; its sweep and sweep folder)."""
+        tags = {"kind": "cell", HASH_TAG: self.digest}
+        if self.sweep is not None:
+            tags |= {SWEEP_TAG: self.sweep.id, SWEEP_DIR_TAG: self.sweep.dir}
+        return tags
+
+    def finished(self, run_id: str) -> None:
+        """Record that this folder now holds a FINISHED cell (what a sweep's summary collects)."""
+        sweep = self.sweep
+        write_record(self.out, {"run_id": run_id, "config_hash": self.digest, "status": "FINISHED",
+                                "sweep": sweep.id if sweep else None,
+                                "overrides": list(sweep.overrides) if sweep else None})
+
+
+def begin_cell(cfg: DictConfig, out: Path) -> Cell | None:
+    """Start a cell in ``out``: None when a resumed sweep finds this folder already holds a
+    FINISHED cell of the same config (claimed for the sweep: skip the compute); else the Cell,
+    with any stale record of the folder forgotten."""
+    cell = Cell(Path(out), config_hash(cfg), current_sweep())
+    if cell.sweep is not None and cell.sweep.resume and _claim(cell):
+        return None
+    forget_record(cell.out)  # whatever this folder held no longer describes it
+    return cell
+
+
+def _claim(cell: Cell) -> bool:
+    record = read_record(cell.out)
+    if not record or record.get("config_hash") != cell.digest or record.get("status") != "FINISHED" \
+            or not (cell.out / "results.csv").is_file():
+        return False
+    write_record(cell.out, record | {"sweep": cell.sweep.id, "overrides": list(cell.sweep.overrides)})
+    log.info("resume: %s finished earlier with the same config (run %s); skipped", cell.out, record["run_id"])
+    return True
 
 
 def _client_and_experiments(cfg: DictConfig) -> tuple[mlflow.MlflowClient, list[str]]:

@@ -68,7 +68,8 @@ class ValidatingSweeper(BasicSweeper):
 
     def validate_batch_is_legal(self, batch: Sequence[Sequence[str]]) -> None:
         from pipeline import preflight
-        from pipeline.config import ConfigError, validate
+        from pipeline.config import ConfigError
+        from pipeline.tasks import validate
 
         loader = self.hydra_context.config_loader
         for overrides in batch:

@@ -1,0 +1,106 @@
+"""One next-item cell: data -> train -> evaluate -> plot, as one MLflow run.
+
+Parameters: ``data.*`` (data set statistics), ``train.*`` (the model, clipping, calibration:
+noise multiplier ``train.sigma`` and ``train.eps_spent``, the eps Opacus's accountant gives for
+that noise). Step metrics (one per epoch): ``train.loss``, ``train.mean_grad_norm``,
+``evaluate.valid_ndcg10``, ``evaluate.valid_hit10``. Final metrics: ``evaluate.<method>.<split>_ndcg10``
+and ``_hit10`` for the model, ``popular`` and (synthetic data) ``oracle``. Artifacts:
+``results.csv``, ``curves.png``, ``config.yaml``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+
+import mlflow
+import pandas as pd
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from pipeline import tracking
+from pipeline.seqrec import config, data, evaluate, plot, train
+
+log = logging.getLogger(__name__)
+
+
+def output_dir() -> Path:
+    try:
+        from hydra.core.hydra_config import HydraConfig
+
+        return Path(HydraConfig.get().runtime.output_dir)
+    except ValueError:  # outside a Hydra app
+        return Path.cwd()
+
+
+def cell_name(cfg: DictConfig) -> str:
+    return f"{cfg.dataset.name} {cfg.model.name} {cfg.clipping.name} eps={cfg.privacy.eps:g}"
+
+
+def run(cfg: DictConfig) -> Path:
+    """Run one cell; return the path of its ``results.csv``."""
+    config.validate(cfg)
+    if cfg.seqrec.get("threads"):
+        torch.set_num_threads(int(cfg.seqrec.threads))
+    start = time.perf_counter()
+    seqs = data.load(cfg.dataset, int(cfg.dataset.L), int(cfg.seed))  # a bad file is refused before any run
+    data_seconds = time.perf_counter() - start
+    run_plan = train.plan(cfg, seqs.n_users)
+    out = output_dir()
+    job = tracking.begin_cell(cfg, out)
+    if job is None:  # a resumed sweep: this folder holds the same cell, finished
+        return out / "results.csv"
+    tracking.setup(cfg)
+    tags = job.tags() | {"task": "seqrec", "dataset": cfg.dataset.name, "model": cfg.model.name,
+                         "clipping": cfg.clipping.name}
+    name = cell_name(cfg)
+    k = int(cfg.seqrec.k)
+    with tracking.run(name, tags) as active:
+        mlflow.log_text(OmegaConf.to_yaml(cfg, resolve=True), "config.yaml")
+        tracking.log_params("data", {**seqs.stats(), "L": seqs.L, "seed": cfg.seed})
+        tracking.log_params("train", {
+            "model": cfg.model.name, "clipping": cfg.clipping.name, "rule": cfg.clipping.rule,
+            "C": cfg.clipping.C, "eps": cfg.privacy.eps, "lr": cfg.seqrec.lr, "epochs": cfg.seqrec.epochs,
+            "accountant": cfg.seqrec.accountant, **run_plan.as_params()})
+        tracking.log_metrics("data", {"seconds": data_seconds})
+
+        def on_epoch(epoch: int, metrics: dict) -> None:
+            valid = {k_: v for k_, v in metrics.items() if k_.startswith("valid_")}
+            tracking.log_metrics("train", {k_: v for k_, v in metrics.items() if k_ not in valid}, at=epoch)
+            if valid:
+                tracking.log_metrics("evaluate", valid, at=epoch)
+
+        def validate(model) -> dict:
+            return evaluate.model_metrics(model, seqs.valid_input, seqs.valid_target, k=k,
+                                          batch=int(cfg.seqrec.eval_batch))
+
+        t0 = time.perf_counter()
+        model, history = train.run(seqs, cfg, run_plan, on_epoch=on_epoch, validate=validate)
+        tracking.log_metrics("train", {"seconds": time.perf_counter() - t0})
+        rows = evaluate.run(model, seqs, cfg)
+        results = pd.DataFrame([{
+            "task": "seqrec", "dataset": cfg.dataset.name, "model": cfg.model.name, "clipping": cfg.clipping.name,
+            "rule": cfg.clipping.rule, "eps": float(cfg.privacy.eps), "eps_spent": run_plan.eps_spent,
+            "delta": run_plan.delta, "sigma": run_plan.sigma, "batch_size": run_plan.batch_size,
+            "lr": float(cfg.seqrec.lr), "epochs": int(cfg.seqrec.epochs), "L": seqs.L, "seed": int(cfg.seed),
+            **row} for row in rows])
+        for row in rows:
+            tracking.log_metrics(f"evaluate.{row['method']}", {f"{row['split']}_{key}": row[key]
+                                                               for key in (f"ndcg{k}", f"hit{k}") if row.get(key) is not None})
+        out.mkdir(parents=True, exist_ok=True)
+        csv = out / "results.csv"
+        results.to_csv(csv, index=False)
+        fig = plot.curves(history, out / "curves.png", title=name, k=k)
+        mlflow.log_artifact(str(csv))
+        mlflow.log_artifact(str(fig))
+        tracking.log_metrics("cell", {"seconds": time.perf_counter() - start})
+    job.finished(active.info.run_id)
+    shown = results[["method", "split", f"ndcg{k}", f"hit{k}"]].to_string(index=False, float_format="%.3f")
+    log.info("%s (sigma = %.4g, eps spent = %.4g)\n%s", name, run_plan.sigma, run_plan.eps_spent, shown)
+    return csv
+
+
+def sweep_artifacts(results: pd.DataFrame, sweep_dir: Path) -> list[str]:
+    """A sweep's figure of test metrics against eps (the concatenated results.csv is written by the caller)."""
+    return [str(plot.sweep_figure(results, sweep_dir / "test_metrics.png"))]

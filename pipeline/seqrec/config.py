@@ -1,0 +1,93 @@
+"""Validation of a next-item (``task: seqrec``) config, before anything is computed or logged.
+
+Every refusal is a :class:`pipeline.config.ConfigError` naming the key and the value, which the
+entry point turns into one ``error: ...`` line and exit status 2.
+"""
+
+from __future__ import annotations
+
+import math
+
+from omegaconf import DictConfig
+
+from pipeline.config import ConfigError
+from pipeline.seqrec import clipping, data, models
+from pipeline.seqrec.clipping.norms import MODES
+
+ACCOUNTANTS = ("rdp", "prv")  # Opacus accountants that calibrate DP-SGD's noise
+
+
+def _int(value, key: str, low: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ConfigError(f"{key} must be an integer >= {low}, got {value!r}")
+    return value
+
+
+def _num(value, key: str, low: float, high: float = math.inf, low_open: bool = True) -> float:
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and not math.isnan(value)
+    if ok:
+        ok = (value > low if low_open else value >= low) and value <= high
+    if not ok:
+        raise ConfigError(f"{key} must lie in {'(' if low_open else '['}{low}, {high}], got {value!r}")
+    return float(value)
+
+
+def _choice(value, key: str, known) -> str:
+    if value not in known:
+        raise ConfigError(f"{key} {value!r} is unknown; known: {list(known)}")
+    return value
+
+
+def validate(cfg: DictConfig) -> None:
+    """Check a composed seqrec config; raise ConfigError on the first bad value."""
+    for group in ("model", "clipping", "seqrec", "dataset"):
+        if cfg.get(group) is None:
+            raise ConfigError(f"{group}: task=seqrec needs a {group} config (use an experiment=dpformer_* preset)")
+    if isinstance(cfg.seed, bool) or not isinstance(cfg.seed, int) or cfg.seed < 0:
+        raise ConfigError(f"seed must be a non-negative integer, got {cfg.seed!r}")
+    m = cfg.model
+    _choice(m.arch, "model.arch", models.ARCHS)
+    d = _int(m.d, "model.d", 1)
+    if m.arch == "transformer":
+        heads = _int(m.heads, "model.heads", 1)
+        if d % heads:
+            raise ConfigError(f"model.heads = {heads} must divide model.d = {d}")
+        _int(m.blocks, "model.blocks", 1)
+        _int(m.d_ff, "model.d_ff", 1)
+    else:
+        _int(m.layers, "model.layers", 1)
+    _num(m.dropout, "model.dropout", 0.0, 0.999, low_open=False)
+    _num(m.init_std, "model.init_std", 0.0)
+    c = cfg.clipping
+    _choice(c.name, "clipping.name", clipping.ENGINES)
+    _choice(c.rule, "clipping.rule", clipping.RULES)
+    _num(c.C, "clipping.C", 0.0)
+    _num(c.gamma, "clipping.gamma", 0.0, low_open=c.rule == "automatic")  # automatic divides by norm + gamma
+    _choice(c.get("norm_form", "auto"), "clipping.norm_form", MODES)
+    if c.name == "ghost" and m.tied:
+        raise ConfigError(f"clipping=ghost with model={m.name}: Ghost Clipping (Opacus) refuses the tied item "
+                          "embedding; use model=transformer_untied or transformer_untied_half, or clipping=phantom")
+    p = cfg.privacy
+    eps = p.eps
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps > 0:
+        raise ConfigError(f"privacy.eps must be a positive number (inf: no noise), got {eps!r}")
+    _num(p.delta, "privacy.delta", 0.0, 1.0)
+    if p.delta >= 1:
+        raise ConfigError(f"privacy.delta must lie in (0, 1), got {p.delta!r}")
+    t = cfg.seqrec
+    _int(t.epochs, "seqrec.epochs", 1)
+    _int(t.batch_size, "seqrec.batch_size", 1)
+    _num(t.lr, "seqrec.lr", 0.0)
+    _num(t.weight_decay, "seqrec.weight_decay", 0.0, low_open=False)
+    _num(t.warmup, "seqrec.warmup", 0.0, 1.0, low_open=False)
+    _choice(t.accountant, "seqrec.accountant", ACCOUNTANTS)
+    _int(t.eval_every, "seqrec.eval_every", 1)
+    _int(t.eval_batch, "seqrec.eval_batch", 1)
+    _int(t.k, "seqrec.k", 1)
+    if t.get("threads") is not None:
+        _int(t.threads, "seqrec.threads", 1)
+    ds = cfg.dataset
+    _choice(ds.get("name"), "dataset.name", data.DATASETS)
+    data.check_L(ds.get("L"))
+    if ds.name in ("amazon_games", "movielens"):
+        data.resolve(ds.get("path"))  # a missing file is refused here, before any run

@@ -1,0 +1,273 @@
+"""Next-item data: readers, 5-core filtering, the leave-last-out split (SASRec's protocol).
+
+Every data set becomes one :class:`Sequences`: one row per user (the privacy unit), item ids
+1..M with 0 as padding, the last item of each user held out for test, the second-to-last for
+validation, the rest for training, each truncated to its last ``L`` items and left-padded.
+
+- ``amazon_games``: the SASRec text file (``user item`` lines, each user's lines in time order),
+  already preprocessed by SASRec; read as is (``k_core: null``).
+- ``movielens``: MovieLens-1M's ``ratings.dat`` (``user::item::rating::timestamp``; every
+  rating counts as one interaction, as SASRec treats ML-1M as implicit feedback; each user's
+  interactions sorted by timestamp, ties kept in file order) or the SASRec text format; then
+  iterated k-core filtering and dense re-indexing of users and items from 1 (in increasing
+  order of the original ids).
+- ``synthetic_longtail``: :mod:`pipeline.seqrec.synthetic`.
+
+A user with fewer than 3 interactions (possible in the SASRec Amazon file, whose 5-core filter
+was one pass) keeps all of them for training and has no validation or test target (0), as in
+SASRec; metrics skip target 0.
+
+Bad input raises :class:`pipeline.config.ConfigError` naming the key and the value.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from pipeline.config import ConfigError
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+FORMATS = ("auto", "ratings", "sasrec")  # ratings: user::item::rating::timestamp; sasrec: user item
+DATASETS = ("amazon_games", "movielens", "synthetic_longtail")
+
+
+@dataclass
+class Sequences:
+    """One row per user; item ids 1..n_items, 0 is padding. See the module docstring."""
+
+    n_items: int  # M
+    train: torch.LongTensor  # (n_users, L + 1): last L + 1 items of the training part, left-padded
+    valid_input: torch.LongTensor  # (n_users, L): last L items of the training part
+    valid_target: torch.LongTensor  # (n_users,): second-to-last item (0: none)
+    test_input: torch.LongTensor  # (n_users, L): training part + validation item, last L
+    test_target: torch.LongTensor  # (n_users,): last item (0: none)
+    popularity: torch.LongTensor  # (M + 1,): counts in the (untruncated) training parts; [0] = 0
+    relevant: torch.BoolTensor | None = None  # synthetic: (n_users, L) positions of test_input that drove the test target
+    best: dict[str, float] | None = None  # synthetic: NDCG@10 / HIT@10 (%) of the oracle on the test targets
+    lengths: torch.LongTensor | None = None  # (n_users,): full sequence lengths before truncation
+    name: str = ""
+
+    @property
+    def n_users(self) -> int:
+        return self.train.shape[0]
+
+    @property
+    def L(self) -> int:
+        return self.valid_input.shape[1]
+
+    def stats(self) -> dict[str, float]:
+        """Data set statistics (for ``data.*`` MLflow params and the README)."""
+        n = int(self.lengths.sum()) if self.lengths is not None else int((self.train != 0).sum())
+        return {
+            "users": self.n_users,
+            "items": self.n_items,
+            "interactions": n,
+            "mean_length": n / max(self.n_users, 1),
+            "density": n / max(self.n_users * self.n_items, 1),
+            "evaluated_users": int((self.test_target != 0).sum()),
+        }
+
+
+def check_L(L, key: str = "dataset.L") -> int:
+    if isinstance(L, bool) or not isinstance(L, int) or L < 2:
+        raise ConfigError(f"{key} must be an integer >= 2 (the maximum sequence length), got {L!r}")
+    return L
+
+
+# ----------------------------------------------------------------------------------- reading
+
+
+def resolve(path, key: str = "dataset.path") -> Path:
+    """A data file's path: absolute, or relative to the directory the command was started in
+    (Hydra's original working directory), else to the repository root."""
+    if path is None or str(path).strip() == "":
+        raise ConfigError(f"{key} is not set: give the path of the data file ({key}=/path/to/file)")
+    p = Path(os.path.expanduser(str(path)))
+    bases = [p] if p.is_absolute() else [Path(_original_cwd()) / p, REPO_ROOT / p]
+    for candidate in bases:
+        if candidate.is_file():
+            return candidate
+    looked = ", ".join(str(b) for b in dict.fromkeys(bases))
+    raise ConfigError(f"{key} = {str(path)!r}: no such file (looked for {looked})")
+
+
+def _original_cwd() -> str:
+    try:
+        from hydra.core.hydra_config import HydraConfig
+
+        if HydraConfig.initialized():
+            from hydra.utils import get_original_cwd
+
+            return get_original_cwd()
+    except Exception:  # noqa: BLE001 - hydra absent or not running: the process's cwd
+        pass
+    return os.getcwd()
+
+
+def read_interactions(path: Path, fmt: str = "auto", key: str = "dataset.path"):
+    """(users, items, times) as int64 arrays, in file order; times is None for the SASRec format.
+
+    ``ratings``: ``user::item::rating::timestamp`` lines; ``sasrec``: ``user item`` lines;
+    ``auto``: ``ratings`` if the first non-blank line contains ``::``. Blank lines are skipped.
+    Ids must be positive integers.
+    """
+    if fmt not in FORMATS:
+        raise ConfigError(f"dataset.format must be one of {FORMATS}, got {fmt!r}")
+    try:
+        raw = Path(path).read_bytes()
+    except OSError as err:
+        raise ConfigError(f"{key} = {str(path)!r}: cannot read it ({err})") from err
+    try:
+        text = raw.decode("ascii")
+    except UnicodeDecodeError as err:
+        line = raw[: err.start].count(b"\n") + 1
+        raise ConfigError(f"{key} = {str(path)!r}, line {line}: not a text file of integer ids") from err
+    if not text.strip():
+        raise ConfigError(f"{key} = {str(path)!r}: the file holds no interactions")
+    if fmt == "auto":
+        first = next((ln for ln in text.splitlines() if ln.strip()), "")
+        fmt = "ratings" if "::" in first else "sasrec"
+    ncols = 4 if fmt == "ratings" else 2
+    body = text.replace("::", " ") if fmt == "ratings" else text
+    try:
+        # float64: ratings may be fractional (MovieLens-10M); ids and timestamps stay exact below 2^53
+        table = np.loadtxt(io.StringIO(body), dtype=np.float64, ndmin=2, comments=None)
+        ok = table.shape[1] == ncols if table.size else True
+    except ValueError:
+        ok = False
+    if ok and table.size:
+        whole = table[:, [0, 1, 3] if fmt == "ratings" else [0, 1]]
+        ok = bool(np.all(whole == np.round(whole)) and np.all(np.abs(whole) < 2**53))
+        table = table.astype(np.int64)
+    if not ok:
+        _raise_first_bad_line(text, fmt, ncols, path, key)
+    if table.size == 0:
+        raise ConfigError(f"{key} = {str(path)!r}: the file holds no interactions")
+    users, items = table[:, 0], table[:, 1]
+    if (users <= 0).any() or (items <= 0).any():
+        _raise_first_bad_line(text, fmt, ncols, path, key)
+    return users, items, (table[:, 3] if fmt == "ratings" else None)
+
+
+def _raise_first_bad_line(text: str, fmt: str, ncols: int, path, key: str):
+    """The error path only: find the first malformed line and name it."""
+    expected = "user::item::rating::timestamp" if fmt == "ratings" else "user item"
+    for number, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        fields = line.split("::") if fmt == "ratings" else line.split()
+        try:
+            values = [float(f) if c == 2 else int(f) for c, f in enumerate(fields)]
+        except ValueError:
+            values = None
+        if values is None or len(values) != ncols or values[0] <= 0 or values[1] <= 0:
+            raise ConfigError(
+                f"{key} = {str(path)!r}, line {number}: expected '{expected}' with positive integer ids "
+                f"(format {fmt}), got {line.strip()[:80]!r}"
+            )
+    raise ConfigError(f"{key} = {str(path)!r}: cannot parse it as format {fmt}")  # pragma: no cover
+
+
+def time_order(users: np.ndarray, items: np.ndarray, times: np.ndarray | None):
+    """Group by user and order each user's interactions by time, ties (and the SASRec format,
+    which has no times) in file order: a stable sort."""
+    order = np.lexsort((times, users)) if times is not None else np.argsort(users, kind="stable")
+    return users[order], items[order]
+
+
+def k_core(users: np.ndarray, items: np.ndarray, k: int):
+    """Drop users and items with fewer than k interactions, repeatedly, until none is left.
+
+    Order-preserving (a mask); counts are of interactions, repeats included."""
+    keep = np.ones(len(users), dtype=bool)
+    while True:
+        u_count = np.bincount(users[keep], minlength=users.max() + 1)
+        i_count = np.bincount(items[keep], minlength=items.max() + 1)
+        drop = keep & ((u_count[users] < k) | (i_count[items] < k))
+        if not drop.any():
+            return users[keep], items[keep]
+        keep &= ~drop
+
+
+def reindex(users: np.ndarray, items: np.ndarray):
+    """Dense ids: users 0..U-1 and items 1..M, both in increasing order of the original ids."""
+    _, u = np.unique(users, return_inverse=True)
+    item_ids, i = np.unique(items, return_inverse=True)
+    return u.reshape(-1), i.reshape(-1) + 1, len(item_ids)
+
+
+# ------------------------------------------------------------------------------------- split
+
+
+def _last(users: np.ndarray, items: np.ndarray, index: np.ndarray, prefix: np.ndarray, width: int,
+          n_users: int) -> torch.Tensor:
+    """(n_users, width): the last ``width`` items of each user's first ``prefix[u]`` items, left-padded."""
+    rev = prefix[users] - 1 - index  # distance from the end of the prefix
+    m = (rev >= 0) & (rev < width)
+    out = np.zeros((n_users, width), dtype=np.int64)
+    out[users[m], width - 1 - rev[m]] = items[m]
+    return torch.from_numpy(out)
+
+
+def split(users: np.ndarray, items: np.ndarray, n_items: int, L: int, name: str = "") -> Sequences:
+    """Leave-last-out split of grouped, time-ordered interactions (users 0..U-1, items 1..M)."""
+    check_L(L)
+    n_users = int(users.max()) + 1
+    lengths = np.bincount(users, minlength=n_users)
+    starts = np.concatenate([[0], np.cumsum(lengths)[:-1]])
+    index = np.arange(len(users)) - starts[users]  # position within the user's sequence
+    evaluated = lengths >= 3
+    train_len = np.where(evaluated, lengths - 2, lengths)
+    last = starts + lengths - 1
+    zeros = np.zeros(n_users, dtype=np.int64)
+    popularity = np.bincount(items[index < train_len[users]], minlength=n_items + 1)
+    return Sequences(
+        n_items=n_items,
+        train=_last(users, items, index, train_len, L + 1, n_users),
+        valid_input=_last(users, items, index, train_len, L, n_users),
+        valid_target=torch.from_numpy(np.where(evaluated, items[np.maximum(last - 1, 0)], zeros)),
+        test_input=_last(users, items, index, np.minimum(train_len + 1, lengths), L, n_users),
+        test_target=torch.from_numpy(np.where(evaluated, items[last], zeros)),
+        popularity=torch.from_numpy(popularity),
+        lengths=torch.from_numpy(lengths),
+        name=name,
+    )
+
+
+# -------------------------------------------------------------------------------------- load
+
+
+def load_file(dataset_cfg, L: int) -> Sequences:
+    """A real data set: read, time-order, filter (``k_core``), re-index, split."""
+    check_L(L)
+    path = resolve(dataset_cfg.get("path"))
+    users, items, times = read_interactions(path, dataset_cfg.get("format", "auto"))
+    users, items = time_order(users, items, times)
+    k = dataset_cfg.get("k_core")
+    if k is not None:
+        if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+            raise ConfigError(f"dataset.k_core must be a positive integer or null, got {k!r}")
+        users, items = k_core(users, items, k)
+        if len(users) == 0:
+            raise ConfigError(f"dataset.k_core = {k} leaves no interactions in {str(path)!r} (empty data set)")
+    users, items, n_items = reindex(users, items)
+    return split(users, items, n_items, L, name=dataset_cfg.name)
+
+
+def load(dataset_cfg, L: int, seed: int) -> Sequences:
+    """The data set ``dataset_cfg.name`` as :class:`Sequences` (``seed`` drives the synthetic one)."""
+    name = dataset_cfg.get("name")
+    check_L(L)
+    if name in ("amazon_games", "movielens"):
+        return load_file(dataset_cfg, L)
+    if name == "synthetic_longtail":
+        from pipeline.seqrec import synthetic
+
+        return synthetic.generate(dataset_cfg, L, seed)
+    raise ConfigError(f"dataset.name {name!r} is unknown for next-item prediction; known: {list(DATASETS)}")

@@ -1,0 +1,199 @@
+"""Next-item models (appendix E.2): a causal Transformer, a GRU and an LSTM over item sequences.
+
+Every model maps left-padded item ids (n, T) (0 = padding, items 1..M) to scores (n, T, M) over
+all M items (full softmax, no sampled negatives). The item embedding is shared by the input
+lookup and the output scores (``TiedEmbedding``) unless the model is untied, in which case the
+input is an ``nn.Embedding`` and the output an ``nn.Linear`` (what Opacus's Ghost Clipping
+accepts). Every trainable parameter lives in an ``nn.Linear``, ``nn.LayerNorm``,
+``nn.Embedding`` or ``TiedEmbedding``: the layer types the clipping engines know.
+
+Padding: the input embedding is multiplied by the non-padding mask (as SASRec does), attention
+never looks at a padding key, and the loss ignores a position whose input or target is padding,
+so a padding position contributes nothing to any gradient.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class TiedEmbedding(nn.Module):
+    """One item table E (M+1, d), row 0 padding, used twice: called on integer ids it is the
+    input lookup (n, T) -> (n, T, d); called on hidden states h (n, T, d) it gives the scores
+    h E[1:]^T (n, T, M) over items 1..M. Phantom Clipping's norm function for this layer sees
+    both calls (``pipeline/seqrec/clipping/norms.py``)."""
+
+    def __init__(self, n_items: int, d: int, init_std: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(n_items + 1, d) * init_std)
+        with torch.no_grad():
+            self.weight[0].zero_()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not x.is_floating_point():
+            return F.embedding(x, self.weight, padding_idx=0)
+        return x @ self.weight[1:].T
+
+
+class CausalSelfAttention(nn.Module):
+    """Single-head causal attention built from ``nn.Linear`` layers (so that every engine handles
+    it); a query sees earlier non-padding keys and itself."""
+
+    def __init__(self, d: int, heads: int, dropout: float):
+        super().__init__()
+        if d % heads:
+            raise ValueError(f"d = {d} is not divisible by heads = {heads}")
+        self.heads = heads
+        self.q, self.k, self.v, self.out = (nn.Linear(d, d) for _ in range(4))
+        self.drop = nn.Dropout(dropout)
+
+    def forward(self, x: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
+        n, T, d = x.shape
+        h = self.heads
+
+        def split(t):
+            return t.view(n, T, h, d // h).transpose(1, 2)
+
+        q, k, v = split(self.q(x)), split(self.k(x)), split(self.v(x))
+        scores = q @ k.transpose(-1, -2) / math.sqrt(d // h)
+        scores = scores.masked_fill(~allowed[:, None], float("-inf"))
+        att = self.drop(torch.softmax(scores, dim=-1))
+        y = (att @ v).transpose(1, 2).reshape(n, T, d)
+        return self.out(y)
+
+
+class Block(nn.Module):
+    """A post-LN Transformer encoder block [36]: x = LN(x + attn(x)); x = LN(x + FFN(x))."""
+
+    def __init__(self, d: int, heads: int, d_ff: int, dropout: float):
+        super().__init__()
+        self.attn = CausalSelfAttention(d, heads, dropout)
+        self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
+        self.ff1, self.ff2 = nn.Linear(d, d_ff), nn.Linear(d_ff, d)
+        self.drop = nn.Dropout(dropout)
+
+    def forward(self, x, allowed):
+        x = self.ln1(x + self.drop(self.attn(x, allowed)))
+        return self.ln2(x + self.drop(self.ff2(self.drop(F.relu(self.ff1(x))))))
+
+
+class SeqModel(nn.Module):
+    """The shared skeleton: item input, a sequence encoder, item scores."""
+
+    def __init__(self, n_items: int, d: int, tied: bool, dropout: float, init_std: float):
+        super().__init__()
+        self.tied = tied
+        if tied:
+            self.items = TiedEmbedding(n_items, d, init_std)
+        else:
+            self.items = nn.Embedding(n_items + 1, d, padding_idx=0)
+            nn.init.normal_(self.items.weight, std=init_std)
+            with torch.no_grad():
+                self.items.weight[0].zero_()
+            self.output = nn.Linear(d, n_items, bias=False)
+            nn.init.normal_(self.output.weight, std=init_std)
+        self.drop = nn.Dropout(dropout)
+
+    def scores(self, h: torch.Tensor) -> torch.Tensor:
+        return self.items(h) if self.tied else self.output(h)
+
+    def embed(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        ids = ids.contiguous()  # Opacus 1.6's embedding norm sampler crashes on strided ids
+        mask = ids != 0
+        return self.items(ids) * mask[..., None], mask
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class Transformer(SeqModel):
+    """Appendix E.2: d = 64, 1 head, 2 blocks, learned positional embeddings, causal attention."""
+
+    def __init__(self, n_items: int, max_len: int, *, d: int, heads: int, blocks: int, d_ff: int,
+                 dropout: float, tied: bool, init_std: float):
+        super().__init__(n_items, d, tied, dropout, init_std)
+        self.positions = nn.Embedding(max_len, d)
+        nn.init.normal_(self.positions.weight, std=init_std)
+        self.blocks = nn.ModuleList(Block(d, heads, d_ff, dropout) for _ in range(blocks))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        n, T = ids.shape
+        x, mask = self.embed(ids)
+        # right-aligned positions (the last input is position max_len - 1); a contiguous index
+        # tensor, not an expanded view (the Opacus trap above)
+        pos = torch.arange(self.positions.num_embeddings - T, self.positions.num_embeddings,
+                           device=ids.device).repeat(n, 1)
+        x = self.drop(x + self.positions(pos))
+        causal = torch.ones(T, T, dtype=torch.bool, device=ids.device).tril()
+        allowed = causal & (mask[:, None, :] | torch.eye(T, dtype=torch.bool, device=ids.device))
+        for block in self.blocks:
+            x = block(x, allowed)
+        return self.scores(x)
+
+
+class Recurrent(SeqModel):
+    """GRU or LSTM baseline (tied embedding), cells written with ``nn.Linear`` so that the
+    per-user norms of the recurrent weights are ghost norms over all time steps. The state stays
+    zero through the left padding."""
+
+    def __init__(self, n_items: int, max_len: int, *, cell: str, d: int, layers: int, dropout: float,
+                 tied: bool, init_std: float):
+        super().__init__(n_items, d, tied, dropout, init_std)
+        gates = {"gru": 3, "lstm": 4}[cell]
+        self.cell = cell
+        self.ih = nn.ModuleList(nn.Linear(d, gates * d) for _ in range(layers))
+        self.hh = nn.ModuleList(nn.Linear(d, gates * d) for _ in range(layers))
+
+    def _step(self, gi, h, c, hh):
+        gh = hh(h)
+        if self.cell == "gru":
+            ir, iz, inn = gi.chunk(3, -1)
+            hr, hz, hn = gh.chunk(3, -1)
+            r, z = torch.sigmoid(ir + hr), torch.sigmoid(iz + hz)
+            return (1 - z) * torch.tanh(inn + r * hn) + z * h, c
+        i, f, g, o = (gi + gh).chunk(4, -1)
+        c = torch.sigmoid(f) * c + torch.sigmoid(i) * torch.tanh(g)
+        return torch.sigmoid(o) * torch.tanh(c), c
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x, mask = self.embed(ids)
+        x = self.drop(x)
+        for ih, hh in zip(self.ih, self.hh):
+            gi = ih(x)
+            h = c = x.new_zeros(x.shape[0], x.shape[-1])
+            outs = []
+            for t in range(x.shape[1]):
+                h_new, c_new = self._step(gi[:, t], h, c, hh)
+                keep = mask[:, t, None]
+                h, c = torch.where(keep, h_new, h), torch.where(keep, c_new, c)
+                outs.append(h)
+            x = self.drop(torch.stack(outs, 1))
+        return self.scores(x)
+
+
+def build(cfg, n_items: int, max_len: int) -> SeqModel:
+    """The model ``cfg`` (a ``conf/model/*.yaml``) names, for M = n_items and inputs of length max_len."""
+    common = dict(dropout=float(cfg.dropout), tied=bool(cfg.tied), init_std=float(cfg.init_std))
+    d = int(cfg.d)
+    if cfg.arch == "transformer":
+        return Transformer(n_items, max_len, d=d, heads=int(cfg.heads), blocks=int(cfg.blocks),
+                           d_ff=int(cfg.d_ff), **common)
+    if cfg.arch in ("gru", "lstm"):
+        return Recurrent(n_items, max_len, cell=cfg.arch, d=d, layers=int(cfg.layers), **common)
+    raise ValueError(f"unknown model.arch {cfg.arch!r}")
+
+
+ARCHS = ("transformer", "gru", "lstm")
+
+
+def user_losses(scores: torch.Tensor, ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Per-user loss (n,): the mean cross-entropy over the user's positions whose input and target
+    are both items (SASRec's positions). A user with no such position has loss 0."""
+    valid = (ids != 0) & (targets != 0)
+    ce = F.cross_entropy(scores.flatten(0, 1), (targets - 1).clamp(min=0).flatten(), reduction="none")
+    ce = ce.view_as(targets) * valid
+    return ce.sum(1) / valid.sum(1).clamp(min=1)

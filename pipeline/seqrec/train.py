@@ -1,0 +1,143 @@
+"""The train step: DP-SGD (Eq. 3.1) over users, the privacy unit.
+
+Each step draws a Poisson sample of users (each independently with probability q = B / n_users,
+as the accountant assumes), has the clipping engine leave sum_i c_i g_i in ``p.grad`` (c_i: the
+automatic or classic clipping coefficient, ||c_i g_i|| <= C), adds Gaussian noise of std
+sigma C to every coordinate, divides by the expected batch size B, and takes an Adam step (weight
+decay 1e-5; learning rate warmed up linearly over the first 20% of the steps, then decayed linearly
+to 0). sigma comes from Opacus's accountant for (eps, delta), q and the number of steps
+(``pipeline/privacy.py``); the run logs the eps that accountant gives for the noise it used.
+
+Non-private training: ``clipping=none`` (plain sum, no noise) or ``privacy.eps=inf`` (the chosen
+clipping, no noise).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from pipeline import privacy
+from pipeline.seqrec import clipping, models
+
+
+@dataclass
+class Plan:
+    """The numbers a run is calibrated with."""
+
+    n_users: int
+    batch_size: int  # expected (Poisson) batch size B
+    sample_rate: float  # q = B / n_users
+    steps_per_epoch: int
+    steps: int
+    sigma: float  # noise multiplier (0: no noise)
+    eps_spent: float  # what the accountant gives for sigma (inf without noise)
+    delta: float
+    private: bool
+
+    def as_params(self) -> dict:
+        return {k: v for k, v in self.__dict__.items()}
+
+
+def plan(cfg, n_users: int) -> Plan:
+    """Sample rate, steps and the calibrated noise multiplier of the run ``cfg`` describes."""
+    train = cfg.seqrec
+    B = min(int(train.batch_size), n_users)
+    q = B / n_users
+    per_epoch = max(1, round(n_users / B))  # Opacus's convention: one epoch = 1 / q steps
+    steps = int(train.epochs) * per_epoch
+    eps, delta = float(cfg.privacy.eps), float(cfg.privacy.delta)
+    private = cfg.clipping.name != "none"
+    if private and math.isfinite(eps):
+        sigma = privacy.dpsgd_noise_multiplier(eps=eps, delta=delta, sample_rate=q, steps=steps,
+                                               accountant=train.accountant)
+        spent = privacy.dpsgd_spent_epsilon(sigma=sigma, delta=delta, sample_rate=q, steps=steps,
+                                            accountant=train.accountant)
+    else:
+        sigma, spent = 0.0, math.inf
+    return Plan(n_users, B, q, per_epoch, steps, sigma, spent, delta, private)
+
+
+def noisy_gradient(engine, model, ids, targets, *, sigma: float, C: float, expected_batch: int,
+                   generator: torch.Generator | None):
+    """One DP-SGD gradient (Eq. 3.1): (sum_i c_i g_i + sigma C N(0, I)) / B, left in ``p.grad``.
+    Returns the per-user losses and norms (None for the non-private engine)."""
+    if ids.shape[0]:
+        losses, norms = engine.step(ids, targets)
+    else:  # an empty Poisson sample: the noise alone
+        model.zero_grad()
+        losses, norms = torch.zeros(0), torch.zeros(0)
+    for p in model.parameters():
+        if not p.requires_grad:
+            continue
+        g = torch.zeros_like(p) if p.grad is None else p.grad
+        if sigma > 0:
+            g = g + sigma * C * torch.randn(p.shape, generator=generator, dtype=p.dtype, device=p.device)
+        p.grad = g / expected_batch
+    return losses, norms
+
+
+def schedule(steps: int, warmup: float) -> Callable[[int], float]:
+    """Learning-rate factor: linear warm-up over the first ``warmup`` fraction of the steps, then
+    linear decay to 0 at the last step."""
+    w = max(1, round(warmup * steps))
+
+    def factor(step: int) -> float:
+        if step < w:
+            return (step + 1) / w
+        return max(0.0, (steps - step) / max(1, steps - w))
+
+    return factor
+
+
+@dataclass
+class History:
+    epoch: list[int] = field(default_factory=list)
+    loss: list[float] = field(default_factory=list)
+    mean_norm: list[float] = field(default_factory=list)
+    valid: list[dict] = field(default_factory=list)  # {epoch, NDCG@k, HIT@k}
+
+
+def run(seqs, cfg, run_plan: Plan, on_epoch: Callable[[int, dict], None] | None = None,
+        validate: Callable[[torch.nn.Module], dict] | None = None):
+    """Train the configured model on ``seqs.train``; return (model, History)."""
+    train = cfg.seqrec
+    torch.manual_seed(int(cfg.seed))
+    model = models.build(cfg.model, seqs.n_items, seqs.L)
+    engine = clipping.make(cfg.clipping.name, model, cfg.clipping)
+    opt = torch.optim.Adam(model.parameters(), lr=float(train.lr), weight_decay=float(train.weight_decay))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule(run_plan.steps, float(train.warmup)))
+    gen = torch.Generator().manual_seed(int(cfg.seed) + 1)
+    C = float(cfg.clipping.C)
+    history = History()
+    rows = seqs.train
+    for epoch in range(1, int(train.epochs) + 1):
+        model.train()
+        loss_sum, users, norm_sum = 0.0, 0, 0.0
+        for _ in range(run_plan.steps_per_epoch):
+            pick = (torch.rand(run_plan.n_users, generator=gen) < run_plan.sample_rate).nonzero().squeeze(1)
+            batch = rows[pick]
+            losses, norms = noisy_gradient(engine, model, batch[:, :-1], batch[:, 1:], sigma=run_plan.sigma, C=C,
+                                           expected_batch=run_plan.batch_size, generator=gen)
+            opt.step()
+            sched.step()
+            loss_sum += float(losses.sum())
+            users += len(losses)
+            if norms is not None:
+                norm_sum += float(norms.sum())
+        history.epoch.append(epoch)
+        history.loss.append(loss_sum / max(users, 1))
+        history.mean_norm.append(norm_sum / max(users, 1) if engine.private else math.nan)
+        metrics = {"loss": history.loss[-1]}
+        if engine.private:
+            metrics["mean_grad_norm"] = history.mean_norm[-1]
+        if validate is not None and (epoch % int(train.eval_every) == 0 or epoch == int(train.epochs)):
+            found = validate(model)
+            history.valid.append({"epoch": epoch, **found})
+            metrics.update({f"valid_{k}": v for k, v in found.items()})
+        if on_epoch is not None:
+            on_epoch(epoch, metrics)
+    return model, history

@@ -1,0 +1,110 @@
+"""End to end: `python -m pipeline experiment=dpformer_ci ...` into a temporary MLflow store, every
+model and every clipping engine on tiny synthetic data; bad input refused before any run."""
+
+import mlflow
+import pandas as pd
+import pytest
+
+from pipeline.config import ConfigError
+from pipeline.seqrec import config as seqconfig
+
+TINY = ["experiment=dpformer_ci", "dataset.n_users=80", "dataset.L=10", "seqrec.batch_size=40"]
+
+
+def runs(store):
+    client = mlflow.MlflowClient(tracking_uri=store)
+    exps = client.search_experiments()
+    return client, client.search_runs([e.experiment_id for e in exps]) if exps else []
+
+
+def check_cells(run_cli, expected: set[tuple[str, str]], epochs: int):
+    client, found = runs(run_cli.store)
+    cells = [r for r in found if r.data.tags.get("kind") == "cell"]
+    parents = [r for r in found if r.data.tags.get("kind") == "sweep"]
+    assert all(r.info.status == "FINISHED" for r in found)
+    assert {(r.data.params["train.model"], r.data.params["train.clipping"]) for r in cells} == expected
+    assert len(parents) == 1 and all(c.data.tags["mlflow.parentRunId"] == parents[0].info.run_id for c in cells)
+    for r in cells:
+        p, m = r.data.params, r.data.metrics
+        private = p["train.clipping"] != "none"
+        assert float(p["train.sigma"]) > 0 if private else float(p["train.sigma"]) == 0
+        if private:  # the accountant's eps for the noise used: the target, to its tolerance
+            assert 7.98 <= float(p["train.eps_spent"]) <= 8.0
+        assert p["data.users"] == "80" and int(p["train.steps"]) == epochs * 2
+        for key in ("train.loss", "evaluate.valid_ndcg10", "evaluate.valid_hit10"):
+            history = client.get_metric_history(r.info.run_id, key)
+            assert [h.step for h in history] == list(range(1, epochs + 1)), key
+        assert 0 <= m[f"evaluate.{p['train.model']}.test_ndcg10"] <= m[f"evaluate.{p['train.model']}.test_hit10"] <= 100
+        assert "evaluate.popular.test_hit10" in m and "evaluate.oracle.test_ndcg10" in m
+        assert {"results.csv", "curves.png", "config.yaml"} <= {a.path for a in client.list_artifacts(r.info.run_id)}
+    sweep = run_cli.tmp / "sweep"
+    results = pd.read_csv(sweep / "results.csv")
+    assert set(zip(results.loc[results["method"] == results["model"], "model"],
+                   results.loc[results["method"] == results["model"], "clipping"])) == expected
+    assert (sweep / "test_metrics.png").stat().st_size > 1000
+    assert all((d / "curves.png").stat().st_size > 1000 for d in sweep.iterdir() if d.is_dir() and (d / "results.csv").exists())
+
+
+def test_every_model_with_phantom(run_cli):
+    models = ["transformer", "transformer_untied_half", "gru", "lstm"]  # transformer_untied: next test
+    run_cli(*TINY, "seqrec.epochs=2", f"model={','.join(models)}", "clipping=phantom", "-m")
+    check_cells(run_cli, {(m, "phantom") for m in models}, epochs=2)
+
+
+def test_every_engine(run_cli):
+    run_cli(*TINY, "seqrec.epochs=1", "model=transformer_untied", "clipping=none,per_sample,ghost", "-m")
+    check_cells(run_cli, {("transformer_untied", e) for e in ("none", "per_sample", "ghost")}, epochs=1)
+
+
+def test_bad_input_one_error_line_exit_2_no_run(run_cli):
+    proc = run_cli(*TINY, "clipping=ghost", expect_ok=False)
+    needle = "clipping=ghost with model=transformer"
+    assert proc.returncode == 2
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and needle in errors[0], proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr
+    assert not (run_cli.tmp / "run" / "results.csv").exists()
+    assert runs(run_cli.store)[1] == []
+
+
+def test_missing_data_file_refused(run_cli):
+    proc = run_cli("experiment=dpformer_movielens", "dataset.path=/nonexistent/ratings.dat", expect_ok=False)
+    assert proc.returncode == 2 and proc.stderr.count("error:") == 1 and "dataset.path" in proc.stderr
+    assert runs(run_cli.store)[1] == []
+
+
+def test_a_bad_cell_stops_the_sweep_before_any_cell_runs(run_cli):
+    proc = run_cli(*TINY, "model=transformer,transformer_untied", "clipping=ghost", "-m", expect_ok=False)
+    assert proc.returncode == 2 and "clipping=ghost" in proc.stderr
+    assert runs(run_cli.store)[1] == []
+
+
+@pytest.mark.parametrize("override,needle", [
+    ("model.arch=nosuch", "model.arch"),
+    ("clipping.name=nosuch", "clipping.name"),
+    ("privacy.eps=-1", "privacy.eps"),
+    ("privacy.eps=0", "privacy.eps"),
+    ("dataset.L=1", "dataset.L"),
+    ("clipping.C=0", "clipping.C"),
+    ("seqrec.accountant=basic", "seqrec.accountant"),
+    ("task=nosuch", "task"),
+])
+def test_validation_names_the_key(cfg_for, override, needle):
+    from pipeline import tasks
+
+    with pytest.raises(ConfigError, match=needle.replace(".", r"\.")):
+        tasks.validate(cfg_for(*TINY, override))
+
+
+def test_unknown_model_or_clipping_option_is_refused_by_hydra(cfg_for):
+    for override in ("model=nosuch", "clipping=nosuch"):
+        with pytest.raises(Exception, match="nosuch"):
+            cfg_for(*TINY, override)
+
+
+def test_presets_validate(cfg_for):
+    for preset in ("dpformer_ci", "dpformer_synthetic", "dpformer_amazon"):
+        cfg = cfg_for(f"experiment={preset}")
+        assert cfg.task == "seqrec" and "regime" not in cfg
+        if preset != "dpformer_amazon" or (seqconfig.data.REPO_ROOT.parent / "shared/data/amazon-games-sasrec.txt").exists():
+            seqconfig.validate(cfg)
