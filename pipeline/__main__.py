@@ -20,4 +20,9 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
+    from pipeline.overrides import unknown_choice
+
+    if (message := unknown_choice(sys.argv[1:])) is not None:
+        print(f"error: {message}", file=sys.stderr)
+        sys.exit(2)
     main()

@@ -61,9 +61,25 @@ def test_bad_input_fails_before_any_run(run_cli, override, needle):
     assert found == []
 
 
-def test_unknown_option_fails(run_cli):
-    proc = run_cli(*TINY, "regime=nosuch", expect_ok=False)
-    assert proc.returncode != 0 and "nosuch" in proc.stderr
+@pytest.mark.parametrize("choice", ["regime=nosuch", "method=[ridge,nosuch]", "model=nosuch", "clipping=nosuch",
+                                    "regime=lowdim,nosuch"])
+def test_unknown_option_is_one_error_line(run_cli, choice):
+    """An option no conf/ group file provides: one error line naming it, exit 2, no run, no folder."""
+    proc = run_cli(*TINY, choice, expect_ok=False)
+    errors = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert proc.returncode == 2 and len(errors) == 1, proc.stderr
+    assert errors[0].startswith("error: ") and "'nosuch' is not an option of conf/" in errors[0]
+    assert not (run_cli.tmp / "run").exists()
+    _, found = runs(run_cli.store)
+    assert found == []
+
+
+def test_overrides_check_leaves_valid_and_non_group_values_alone():
+    from pipeline.overrides import unknown_choice
+
+    assert unknown_choice(["model=gru,lstm", "method=[ridge,noisyhead]", "regime.N=5", "seed=3", "attack=null",
+                           "method=[]", "hydra/launcher=joblib", "experiment=dpformer_ci"]) is None
+    assert "clipping='ghosts'" in unknown_choice(["clipping=ghosts"])
 
 
 def test_sweep_groups_its_cells_and_draws_the_figure(run_cli):
