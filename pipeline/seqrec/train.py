@@ -21,7 +21,7 @@ from typing import Callable
 import torch
 
 from pipeline import privacy
-from pipeline.seqrec import clipping, models
+from pipeline.seqrec import clipping, models, reattention
 
 
 @dataclass
@@ -107,6 +107,9 @@ def run(seqs, cfg, run_plan: Plan, on_epoch: Callable[[int, dict], None] | None 
     train = cfg.seqrec
     torch.manual_seed(int(cfg.seed))
     model = models.build(cfg.model, seqs.n_items, seqs.L)
+    if cfg.model.get("reattention") is not None:  # model=dpformer: Re-Attention's effective errors
+        reattention.calibrate(model, seqs.train, sigma_dp=run_plan.sigma, C=float(cfg.clipping.C),
+                              batch_size=run_plan.batch_size)
     engine = clipping.make(cfg.clipping.name, model, cfg.clipping)
     opt = torch.optim.Adam(model.parameters(), lr=float(train.lr), weight_decay=float(train.weight_decay))
     sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule(run_plan.steps, float(train.warmup)))
