@@ -206,23 +206,48 @@ def test_phantom_norms_exact_for_dpformer():
 TINY = ["experiment=dpformer_ci", "model=dpformer", "dataset.n_users=80", "dataset.L=10", "seqrec.batch_size=40"]
 
 
-def test_private_presence_is_refused_naming_the_key(cfg_for):
+def test_bad_reattention_settings_are_refused_naming_the_key(cfg_for):
     from pipeline import tasks
     from pipeline.config import ConfigError
 
     tasks.validate(cfg_for(*TINY))
-    with pytest.raises(ConfigError, match=r"model\.reattention\.presence"):
-        tasks.validate(cfg_for(*TINY, "model.reattention.presence=private"))
-    with pytest.raises(ConfigError, match=r"model\.reattention\.presence"):
-        tasks.validate(cfg_for(*TINY, "model.reattention.presence=nosuch"))
-    with pytest.raises(ConfigError, match=r"model\.reattention"):
-        tasks.validate(cfg_for(*TINY, "model.arch=gru"))
+    tasks.validate(cfg_for(*TINY, "model.reattention.presence=private"))
+    for override, needle in (("model.reattention.presence=nosuch", r"model\.reattention\.presence"),
+                             ("model.reattention.eps_share=0", r"model\.reattention\.eps_share"),
+                             ("model.reattention.eps_share=1", r"model\.reattention\.eps_share"),
+                             ("model.arch=gru", r"model\.reattention")):
+        with pytest.raises(ConfigError, match=needle):
+            tasks.validate(cfg_for(*TINY, "model.reattention.presence=private", override))
 
 
-def test_dpformer_end_to_end_one_epoch(run_cli):
+def test_private_presence_noise_and_budget_split(cfg_for):
+    from pipeline import privacy
+    from pipeline.seqrec import train
+
+    # the counts' noise: std z sqrt(min(L + 1, M)), the floor applied after
+    rows = ROWS.repeat(200, 1)  # 1000 users
+    exact = ra.item_presence(rows, M) * rows.shape[0]
+    g = torch.Generator().manual_seed(9)
+    noisy = torch.stack([ra.item_presence(rows, M, 3.0, g) for _ in range(400)]) * rows.shape[0]
+    diff = (noisy - exact)[:, 1:]
+    assert diff.std().item() == pytest.approx(3.0 * math.sqrt(M), rel=0.05)
+    assert abs(diff.mean().item()) < 0.2
+    # the plan: histogram at (share eps, share delta), DP-SGD at the rest, spent = the sum <= eps
+    public = train.plan(cfg_for(*TINY), 80)
+    private = train.plan(cfg_for(*TINY, "model.reattention.presence=private", "model.reattention.eps_share=0.1"), 80)
+    assert public.presence_multiplier == 0 and private.presence_multiplier > 0
+    assert private.presence_multiplier == pytest.approx(privacy.gaussian_multiplier(eps=0.8, delta=1e-6))
+    assert private.sigma > public.sigma and private.eps_spent <= 8.0 + 1e-9
+    alone = privacy.dpsgd_spent_epsilon(sigma=private.sigma, delta=0.9e-5, sample_rate=private.sample_rate,
+                                        steps=private.steps, accountant="rdp")
+    assert private.eps_spent == pytest.approx(alone + 0.8) and 7.1 < alone <= 7.2 + 1e-9
+
+
+@pytest.mark.parametrize("presence", ["public", "private"])
+def test_dpformer_end_to_end_one_epoch(run_cli, presence):
     import pandas as pd
 
-    run_cli(*TINY, "seqrec.epochs=1")
+    run_cli(*TINY, "seqrec.epochs=1", f"model.reattention.presence={presence}")
     res = pd.read_csv(run_cli.tmp / "run" / "results.csv")
     mine = res[res["method"] == "dpformer"]
     assert set(mine["split"]) == {"valid", "test"} and (mine["sigma"] > 0).all()

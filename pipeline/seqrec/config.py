@@ -61,8 +61,9 @@ def validate(cfg: DictConfig) -> None:
             raise ConfigError(f"model.reattention needs model.arch=transformer, got {m.arch!r}")
         presence = _choice(m.reattention.get("presence"), "model.reattention.presence", ("public", "private"))
         if presence == "private":
-            raise ConfigError("model.reattention.presence='private' (a noised per-user presence histogram with "
-                              "its own budget) is not implemented yet; use 'public' (Remark C.1)")
+            _num(m.reattention.get("eps_share"), "model.reattention.eps_share", 0.0, 1.0)
+            if m.reattention.eps_share >= 1:
+                raise ConfigError(f"model.reattention.eps_share must lie in (0, 1), got {m.reattention.eps_share!r}")
     _num(m.dropout, "model.dropout", 0.0, 0.999, low_open=False)
     _num(m.init_std, "model.init_std", 0.0)
     c = cfg.clipping

@@ -6,8 +6,11 @@ the noise DP-SGD leaves in the parameters.
    every weight inside the blocks (and, a choice, the position table), and sigma_dp C / (B p_i) for
    item row i, p_i the probability that item i appears in a user's training sequence. p_i is public
    (Remark C.1), counted on the training rows and floored at one user (an item no training user
-   has would otherwise get an infinite error). The private estimate of p_i is not implemented
-   (``config.validate`` refuses it).
+   has would otherwise get an infinite error). ``presence: private`` releases the per-item user
+   counts with Gaussian noise instead: a user adds at most k = min(L + 1, M) distinct items, so
+   the count vector has L2 sensitivity sqrt(k) (add/remove one user, DP-SGD's relation); its
+   noise multiplier is the analytic Gaussian one for a share of (eps, delta), DP-SGD is
+   calibrated to the rest, and the two compose by basic composition (``train.plan``).
 2. Error propagation (section 5.2.2, appendix D): means are the forward activations of the noisy
    model (the noisy parameter as the estimate of its mean), variances are propagated per token and
    coordinate under independence: linear layers by Eq. 5.5 summed over fan-in, ReLU by the
@@ -94,13 +97,25 @@ def linear_var(mu_x: torch.Tensor, var_x: torch.Tensor, weight: torch.Tensor, er
     return out + e2 if has_bias else out
 
 
-def item_presence(rows: torch.Tensor, n_items: int) -> torch.Tensor:
+def presence_sensitivity(rows: torch.Tensor, n_items: int) -> float:
+    """L2 sensitivity of the per-item user counts to adding or removing one user: sqrt(k), k the
+    most distinct items one row can hold (its length, at most n_items)."""
+    return math.sqrt(min(rows.shape[1], n_items))
+
+
+def item_presence(rows: torch.Tensor, n_items: int, noise_multiplier: float = 0.0,
+                  generator: torch.Generator | None = None) -> torch.Tensor:
     """p (n_items + 1,): p_i = (number of users whose training row holds item i) / n_users,
-    floored at 1 / n_users; p_0 (padding) = 1."""
+    floored at 1 / n_users; p_0 (padding) = 1. With ``noise_multiplier`` z > 0 the counts get
+    N(0, (z sqrt(k))^2) noise first (the Gaussian mechanism, ``presence_sensitivity``); the floor
+    is post-processing."""
     n = rows.shape[0]
     user = torch.arange(n).repeat_interleave(rows.shape[1])
     pairs = torch.unique(user * (n_items + 1) + rows.flatten())
     counts = torch.bincount(pairs % (n_items + 1), minlength=n_items + 1).double()
+    if noise_multiplier > 0:
+        std = noise_multiplier * presence_sensitivity(rows, n_items)
+        counts = counts + std * torch.randn(counts.shape, generator=generator, dtype=counts.dtype)
     p = counts.clamp(min=1) / n
     p[0] = 1.0
     return p
@@ -215,9 +230,14 @@ def _layer_norm_var(ln, r: torch.Tensor, var_r: torch.Tensor, err: float) -> tor
     return var_xhat * (ln.weight ** 2 + e2) + e2 * xhat ** 2 + e2
 
 
-def calibrate(model, rows: torch.Tensor, *, sigma_dp: float, C: float, batch_size: int) -> tuple[float, torch.Tensor]:
-    """Set the model's effective errors from the run's noise multiplier and the public item presence
-    on the training rows; return (block error, item errors)."""
-    block, items = effective_errors(sigma_dp, C, batch_size, item_presence(rows, model.item_err.numel() - 1))
+def calibrate(model, rows: torch.Tensor, *, sigma_dp: float, C: float, batch_size: int,
+              presence_multiplier: float = 0.0, generator: torch.Generator | None = None) -> tuple[float, torch.Tensor]:
+    """Set the model's effective errors from the run's noise multiplier and the item presence on
+    the training rows (public, or noised with ``presence_multiplier``); return (block error, item errors)."""
+    if sigma_dp == 0:  # no DP noise: nothing to correct, and no histogram is released
+        presence = torch.ones(model.item_err.numel(), dtype=torch.float64)
+    else:
+        presence = item_presence(rows, model.item_err.numel() - 1, presence_multiplier, generator)
+    block, items = effective_errors(sigma_dp, C, batch_size, presence)
     model.set_errors(block, items)
     return block, items
