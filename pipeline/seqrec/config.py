@@ -56,6 +56,14 @@ def validate(cfg: DictConfig) -> None:
         _int(m.d_ff, "model.d_ff", 1)
     else:
         _int(m.layers, "model.layers", 1)
+    if m.get("reattention") is not None:
+        if m.arch != "transformer":
+            raise ConfigError(f"model.reattention needs model.arch=transformer, got {m.arch!r}")
+        presence = _choice(m.reattention.get("presence"), "model.reattention.presence", ("public", "private"))
+        if presence == "private":
+            _num(m.reattention.get("eps_share"), "model.reattention.eps_share", 0.0, 1.0)
+            if m.reattention.eps_share >= 1:
+                raise ConfigError(f"model.reattention.eps_share must lie in (0, 1), got {m.reattention.eps_share!r}")
     _num(m.dropout, "model.dropout", 0.0, 0.999, low_open=False)
     _num(m.init_std, "model.init_std", 0.0)
     c = cfg.clipping

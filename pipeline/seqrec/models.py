@@ -180,7 +180,10 @@ def build(cfg, n_items: int, max_len: int) -> SeqModel:
     common = dict(dropout=float(cfg.dropout), tied=bool(cfg.tied), init_std=float(cfg.init_std))
     d = int(cfg.d)
     if cfg.arch == "transformer":
-        return Transformer(n_items, max_len, d=d, heads=int(cfg.heads), blocks=int(cfg.blocks),
+        cls = Transformer
+        if cfg.get("reattention") is not None:  # model=dpformer
+            from pipeline.seqrec.reattention import DPFormer as cls
+        return cls(n_items, max_len, d=d, heads=int(cfg.heads), blocks=int(cfg.blocks),
                            d_ff=int(cfg.d_ff), **common)
     if cfg.arch in ("gru", "lstm"):
         return Recurrent(n_items, max_len, cell=cfg.arch, d=d, layers=int(cfg.layers), **common)

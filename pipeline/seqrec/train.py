@@ -19,9 +19,10 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
+from omegaconf import OmegaConf
 
 from pipeline import privacy
-from pipeline.seqrec import clipping, models
+from pipeline.seqrec import clipping, models, reattention
 
 
 @dataclass
@@ -37,6 +38,7 @@ class Plan:
     eps_spent: float  # what the accountant gives for sigma (inf without noise)
     delta: float
     private: bool
+    presence_multiplier: float = 0.0  # model=dpformer, presence=private: the item histogram's noise multiplier
 
     def as_params(self) -> dict:
         return {k: v for k, v in self.__dict__.items()}
@@ -51,14 +53,20 @@ def plan(cfg, n_users: int) -> Plan:
     steps = int(train.epochs) * per_epoch
     eps, delta = float(cfg.privacy.eps), float(cfg.privacy.delta)
     private = cfg.clipping.name != "none"
+    re = OmegaConf.select(cfg, "model.reattention")
+    share = float(re.eps_share) if re is not None and re.presence == "private" else 0.0
+    z_hist = 0.0
     if private and math.isfinite(eps):
-        sigma = privacy.dpsgd_noise_multiplier(eps=eps, delta=delta, sample_rate=q, steps=steps,
+        if share:  # Re-Attention's private item histogram: its share of (eps, delta), basic composition
+            z_hist = privacy.gaussian_multiplier(eps=share * eps, delta=share * delta)
+        e, dl = (1 - share) * eps, (1 - share) * delta
+        sigma = privacy.dpsgd_noise_multiplier(eps=e, delta=dl, sample_rate=q, steps=steps,
                                                accountant=train.accountant)
-        spent = privacy.dpsgd_spent_epsilon(sigma=sigma, delta=delta, sample_rate=q, steps=steps,
-                                            accountant=train.accountant)
+        spent = privacy.dpsgd_spent_epsilon(sigma=sigma, delta=dl, sample_rate=q, steps=steps,
+                                            accountant=train.accountant) + share * eps
     else:
         sigma, spent = 0.0, math.inf
-    return Plan(n_users, B, q, per_epoch, steps, sigma, spent, delta, private)
+    return Plan(n_users, B, q, per_epoch, steps, sigma, spent, delta, private, z_hist)
 
 
 def noisy_gradient(engine, model, ids, targets, *, sigma: float, C: float, expected_batch: int,
@@ -107,6 +115,10 @@ def run(seqs, cfg, run_plan: Plan, on_epoch: Callable[[int, dict], None] | None 
     train = cfg.seqrec
     torch.manual_seed(int(cfg.seed))
     model = models.build(cfg.model, seqs.n_items, seqs.L)
+    if cfg.model.get("reattention") is not None:  # model=dpformer: Re-Attention's effective errors
+        reattention.calibrate(model, seqs.train, sigma_dp=run_plan.sigma, C=float(cfg.clipping.C),
+                              batch_size=run_plan.batch_size, presence_multiplier=run_plan.presence_multiplier,
+                              generator=torch.Generator().manual_seed(int(cfg.seed) + 2))
     engine = clipping.make(cfg.clipping.name, model, cfg.clipping)
     opt = torch.optim.Adam(model.parameters(), lr=float(train.lr), weight_decay=float(train.weight_decay))
     sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule(run_plan.steps, float(train.warmup)))

@@ -1,0 +1,243 @@
+"""Re-Attention (section 5, appendices C-D of the DPFormer paper): debias attention scores for
+the noise DP-SGD leaves in the parameters.
+
+1. Effective error (Eq. 5.3 with appendix C's typo correction, Claims 5.3-5.4): the noise std of one
+   DP-SGD gradient coordinate, sigma_dp C / B (C the clipping norm; the paper normalises C = 1), for
+   every weight inside the blocks (and, a choice, the position table), and sigma_dp C / (B p_i) for
+   item row i, p_i the probability that item i appears in a user's training sequence. p_i is public
+   (Remark C.1), counted on the training rows and floored at one user (an item no training user
+   has would otherwise get an infinite error). ``presence: private`` releases the per-item user
+   counts with Gaussian noise instead: a user adds at most k = min(L + 1, M) distinct items, so
+   the count vector has L2 sensitivity sqrt(k) (add/remove one user, DP-SGD's relation); its
+   noise multiplier is the analytic Gaussian one for a share of (eps, delta), DP-SGD is
+   calibrated to the rest, and the two compose by basic composition (``train.plan``).
+2. Error propagation (section 5.2.2, appendix D): means are the forward activations of the noisy
+   model (the noisy parameter as the estimate of its mean), variances are propagated per token and
+   coordinate under independence: linear layers by Eq. 5.5 summed over fan-in, ReLU by the
+   corrected Eq. 5.6 (``relu_moments``), GELU by its exact moments (``gelu_moments``).
+   Choices for what the paper leaves out: residual connections add variances; LayerNorm treats
+   the token's normalisation statistics as constants (variance / scale^2, then its own weights by
+   the linear rule); the attention output sum_i a_i V_i treats the (corrected) weights a_i as
+   constants (variance sum_i a_i^2 Var V_i); dropout is ignored.
+3. Correction (Eq. 5.2): with the query q fixed, the logit <q, K_i> / sqrt(d_h) has variance
+   Var_i, and E[exp] = exp(mean) exp(Var_i / 2); S_i <- S_i / exp(Var_i / 2), then renormalise
+   (done as logits - Var_i / 2 before the softmax). The paper's Var_i = C sigma_i^2 with
+   C = <q, q> takes the key's coordinates independent; here Var_i is the linear rule applied to
+   the logit itself (x_i -> x_i . W_k^T q), exact for a Gaussian input with independent
+   coordinates: it is C sigma_i^2 plus the covariance the input's noise induces between key
+   coordinates. Computed without gradient, from the noise scale and public statistics only:
+   no privacy cost, and Phantom Clipping's per-user norms stay exact (the correction is a
+   constant of the backward pass).
+
+Corrections to the paper's printed formulas: Eq. 5.6 subtracts c^2 where it must subtract
+E[Y]^2 (as printed it gives 0.5 for a standard normal input, the right value 0.3408 is Table 3's
+analytic column); zeta in the max approximation of Eq. 5.2 is the Gumbel mean, Euler-Mascheroni's
+0.5772, not pi^2/6 (the Gumbel variance). zeta cancels in the renormalisation, so it does not enter
+the computation.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from pipeline.seqrec.models import Transformer
+
+EULER_GAMMA = 0.5772156649015329  # zeta of Eq. 5.2: the mean of a standard Gumbel (the paper prints pi^2/6)
+
+
+def _phi(z):
+    return torch.exp(-0.5 * z * z) / math.sqrt(2 * math.pi)
+
+
+def _Phi(z):
+    return 0.5 * (1 + torch.erf(z / math.sqrt(2)))
+
+
+def relu_moments(mu: torch.Tensor, var: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mean and variance of ReLU(X), X ~ N(mu, var) (Lemma D.2 with X_2 = 0): with s = sqrt(var),
+    z = mu / s, E[Y] = mu Phi(z) + s phi(z), E[Y^2] = (mu^2 + var) Phi(z) + mu s phi(z), and
+    Var[Y] = E[Y^2] - E[Y]^2 (the printed Eq. 5.6 subtracts mu^2: wrong). var = 0 gives
+    (ReLU(mu), 0)."""
+    s = var.clamp(min=0).sqrt()
+    z = mu / s.clamp(min=torch.finfo(mu.dtype).tiny)
+    pdf, cdf = _phi(z), _Phi(z)
+    mean = mu * cdf + s * pdf
+    second = (mu * mu + var) * cdf + mu * s * pdf
+    zero = s == 0
+    mean = torch.where(zero, mu.clamp(min=0), mean)
+    return mean, torch.where(zero, torch.zeros_like(var), (second - mean * mean).clamp(min=0))
+
+
+_HERMITE = np.polynomial.hermite_e.hermegauss(64)  # probabilists' Gauss-Hermite: E f(Z), Z ~ N(0, 1)
+
+
+def gelu_moments(mu: torch.Tensor, var: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mean and variance of GELU(X) = X Phi(X), X ~ N(mu, var). E[Y] is closed form,
+    mu Phi(mu / r) + var phi(mu / r) / r with r = sqrt(1 + var); E[Y^2] has none (a bivariate
+    normal CDF), so both moments come from 64-node Gauss-Hermite quadrature (exact to ~1e-10 for
+    the smooth GELU). The paper (Remark D.3) reuses the ReLU formula instead."""
+    x, w = (torch.as_tensor(a, dtype=mu.dtype, device=mu.device) for a in _HERMITE)
+    w = w / w.sum()
+    y = F.gelu(mu[..., None] + var.clamp(min=0).sqrt()[..., None] * x)
+    mean = (y * w).sum(-1)
+    return mean, ((y - mean[..., None]) ** 2 * w).sum(-1)
+
+
+def linear_var(mu_x: torch.Tensor, var_x: torch.Tensor, weight: torch.Tensor, err: float,
+               has_bias: bool) -> torch.Tensor:
+    """Variance of y = x W^T + b with x independent coordinates (mean mu_x, variance var_x) and
+    W, b independent with means (weight, bias) and std err (Eq. 5.5 summed over fan-in):
+    Var y_j = sum_k var_x,k err^2 + var_x,k W_jk^2 + err^2 mu_x,k^2 (+ err^2 for the bias)."""
+    e2 = err * err
+    out = var_x @ (weight * weight).T + e2 * (var_x + mu_x * mu_x).sum(-1, keepdim=True)
+    return out + e2 if has_bias else out
+
+
+def presence_sensitivity(rows: torch.Tensor, n_items: int) -> float:
+    """L2 sensitivity of the per-item user counts to adding or removing one user: sqrt(k), k the
+    most distinct items one row can hold (its length, at most n_items)."""
+    return math.sqrt(min(rows.shape[1], n_items))
+
+
+def item_presence(rows: torch.Tensor, n_items: int, noise_multiplier: float = 0.0,
+                  generator: torch.Generator | None = None) -> torch.Tensor:
+    """p (n_items + 1,): p_i = (number of users whose training row holds item i) / n_users,
+    floored at 1 / n_users; p_0 (padding) = 1. With ``noise_multiplier`` z > 0 the counts get
+    N(0, (z sqrt(k))^2) noise first (the Gaussian mechanism, ``presence_sensitivity``); the floor
+    is post-processing."""
+    n = rows.shape[0]
+    user = torch.arange(n).repeat_interleave(rows.shape[1])
+    pairs = torch.unique(user * (n_items + 1) + rows.flatten())
+    counts = torch.bincount(pairs % (n_items + 1), minlength=n_items + 1).double()
+    if noise_multiplier > 0:
+        std = noise_multiplier * presence_sensitivity(rows, n_items)
+        counts = counts + std * torch.randn(counts.shape, generator=generator, dtype=counts.dtype)
+    p = counts.clamp(min=1) / n
+    p[0] = 1.0
+    return p
+
+
+def effective_errors(sigma_dp: float, C: float, batch_size: int, presence: torch.Tensor) -> tuple[float, torch.Tensor]:
+    """(block error sigma_dp C / B, item errors sigma_dp C / (B p_i)) (Claims 5.3-5.4, Eq. C.3);
+    the padding row's error is 0 (its input is masked)."""
+    block = sigma_dp * C / batch_size
+    items = block / presence
+    items[0] = 0.0
+    return block, items
+
+
+class DPFormer(Transformer):
+    """The tied Transformer plus Re-Attention. The same parameters and module calls as
+    ``Transformer`` (so every clipping engine walks it the same way); the variances are computed
+    with plain tensor operations, under ``torch.no_grad``. With zero errors (``set_errors`` not
+    called, or sigma_dp = 0) its forward is the Transformer's, bit for bit."""
+
+    def __init__(self, n_items: int, max_len: int, **kw):
+        super().__init__(n_items, max_len, **kw)
+        self.block_err = 0.0
+        self.register_buffer("item_err", torch.zeros(n_items + 1), persistent=False)
+
+    def set_errors(self, block: float, items: torch.Tensor) -> None:
+        self.block_err = float(block)
+        self.item_err = items.to(self.item_err)
+
+    @property
+    def active(self) -> bool:
+        return self.block_err > 0 or bool((self.item_err > 0).any())
+
+    def forward(self, ids: torch.Tensor, *, record: list | None = None) -> torch.Tensor:
+        """Scores (n, T, M); ``record``, if a list, receives per block {"var": the logit variances,
+        "att": the corrected attention weights}, both (n, h, T, T)."""
+        if not self.active:
+            return super().forward(ids)
+        n, T = ids.shape
+        x, mask = self.embed(ids)
+        pos = torch.arange(self.positions.num_embeddings - T, self.positions.num_embeddings,
+                           device=ids.device).repeat(n, 1)
+        x = self.drop(x + self.positions(pos))
+        causal = torch.ones(T, T, dtype=torch.bool, device=ids.device).tril()
+        allowed = causal & (mask[:, None, :] | torch.eye(T, dtype=torch.bool, device=ids.device))
+        with torch.no_grad():
+            e2 = self.item_err.to(x.dtype)[ids] ** 2 * mask
+            var = (e2 + self.block_err ** 2)[..., None].expand_as(x).clone()
+        for block in self.blocks:
+            x, var = self._block(block, x, var, allowed, record)
+        return self.scores(x)
+
+    def logit_var(self, attn, x: torch.Tensor, var: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+        """Var of <q_t, K_i> / sqrt(d_h) over the noise in x_i and in W_k, b_k, q fixed: (n, h, T, T)."""
+        n, T, d = x.shape
+        h = attn.heads
+        dh = d // h
+        e2 = self.block_err ** 2
+        wk = attn.k.weight.view(h, dh, d)
+        a = q @ wk[None]  # (n, h, T, d): W_k^T q per head
+        qq = (q * q).sum(-1, keepdim=True)  # (n, h, T, 1)
+        v = var[:, None]  # (n, 1, T, d)
+        out = (a * a) @ v.transpose(-1, -2) + qq * e2 * (v + x[:, None] ** 2).sum(-1)[:, :, None, :]
+        return (out + qq * e2) / dh
+
+    def _block(self, block, x, var, allowed, record):
+        attn, err = block.attn, self.block_err
+        n, T, d = x.shape
+        h = attn.heads
+
+        def split(t):
+            return t.view(n, T, h, d // h).transpose(1, 2)
+
+        q, k, v = split(attn.q(x)), split(attn.k(x)), split(attn.v(x))
+        scores = q @ k.transpose(-1, -2) / math.sqrt(d // h)
+        with torch.no_grad():
+            lv = self.logit_var(attn, x.detach(), var, q.detach())
+        scores = (scores - lv / 2).masked_fill(~allowed[:, None], float("-inf"))
+        att = torch.softmax(scores, dim=-1)
+        if record is not None:
+            record.append({"var": lv, "att": att.detach()})
+        att = attn.drop(att)
+        y = (att @ v).transpose(1, 2).reshape(n, T, d)
+        a_out = attn.out(y)
+        r = x + block.drop(a_out)
+        x1 = block.ln1(r)
+        pre = block.ff1(x1)
+        act = F.relu(pre)
+        f = block.ff2(block.drop(act))
+        r2 = x1 + block.drop(f)
+        out = block.ln2(r2)
+        with torch.no_grad():
+            xd = x.detach()
+            var_v = split(linear_var(xd, var, attn.v.weight, err, True))
+            var_y = ((att.detach() ** 2) @ var_v).transpose(1, 2).reshape(n, T, d)
+            var_r = var + linear_var(y.detach(), var_y, attn.out.weight, err, True)
+            var_1 = _layer_norm_var(block.ln1, r.detach(), var_r, err)
+            var_pre = linear_var(x1.detach(), var_1, block.ff1.weight, err, True)
+            _, var_act = relu_moments(pre.detach(), var_pre)
+            var_r2 = var_1 + linear_var(act.detach(), var_act, block.ff2.weight, err, True)
+            var_out = _layer_norm_var(block.ln2, r2.detach(), var_r2, err)
+        return out, var_out
+
+
+def _layer_norm_var(ln, r: torch.Tensor, var_r: torch.Tensor, err: float) -> torch.Tensor:
+    """LayerNorm with the token's mean and scale taken as constants: x_hat = (r - m) / s has
+    variance var_r / s^2; then y = x_hat gamma + beta by the linear rule, elementwise."""
+    s2 = r.var(-1, unbiased=False, keepdim=True) + ln.eps
+    xhat = (r - r.mean(-1, keepdim=True)) / s2.sqrt()
+    var_xhat = var_r / s2
+    e2 = err * err
+    return var_xhat * (ln.weight ** 2 + e2) + e2 * xhat ** 2 + e2
+
+
+def calibrate(model, rows: torch.Tensor, *, sigma_dp: float, C: float, batch_size: int,
+              presence_multiplier: float = 0.0, generator: torch.Generator | None = None) -> tuple[float, torch.Tensor]:
+    """Set the model's effective errors from the run's noise multiplier and the item presence on
+    the training rows (public, or noised with ``presence_multiplier``); return (block error, item errors)."""
+    if sigma_dp == 0:  # no DP noise: nothing to correct, and no histogram is released
+        presence = torch.ones(model.item_err.numel(), dtype=torch.float64)
+    else:
+        presence = item_presence(rows, model.item_err.numel() - 1, presence_multiplier, generator)
+    block, items = effective_errors(sigma_dp, C, batch_size, presence)
+    model.set_errors(block, items)
+    return block, items

@@ -1,0 +1,253 @@
+"""Re-Attention (pipeline/seqrec/reattention.py): moment formulas against Table 3 and Monte Carlo,
+one block's propagated logit variance against Monte Carlo over noisy parameters, the zero-noise
+model against the vanilla Transformer, the corrected scores, and Phantom Clipping's exact norms."""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from omegaconf import OmegaConf
+
+from pipeline.seqrec import models, reattention as ra
+from pipeline.seqrec.clipping.phantom import Phantom
+
+M, L = 7, 6
+ROWS = torch.tensor([[0, 0, 1, 2, 1, 3, 4],
+                     [0, 0, 0, 0, 4, 4, 5],
+                     [5, 6, 7, 1, 2, 3, 3],
+                     [0, 0, 0, 0, 0, 2, 1],
+                     [3, 3, 3, 3, 3, 3, 7]])
+IDS, TARGETS = ROWS[:, :-1], ROWS[:, 1:]
+
+
+def build(reattention=True, blocks=2, dropout=0.0, d=8, seed=1):
+    torch.manual_seed(seed)
+    cfg = dict(arch="transformer", d=d, heads=1, blocks=blocks, d_ff=16, dropout=dropout, tied=True,
+               init_std=0.3, layers=1)
+    if reattention:
+        cfg["reattention"] = {"presence": "public"}
+    return models.build(OmegaConf.create(cfg), M, L).double()
+
+
+def mc_moments(f, mu, std, n=1_000_000, seed=0):
+    x = mu + std * torch.randn(n, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+    y = f(x)
+    return y.mean().item(), y.var().item()
+
+
+@pytest.mark.parametrize("std,table", [(0.01, 3.40e-5), (0.1, 0.0034), (1.0, 0.3408)])
+def test_relu_variance_matches_table_3(std, table):
+    # Table 3's N(0, s) has standard deviation s: Var ReLU = s^2 (1/2 - 1/(2 pi))
+    _, var = ra.relu_moments(torch.tensor(0.0, dtype=torch.float64), torch.tensor(std ** 2, dtype=torch.float64))
+    assert var.item() == pytest.approx(std ** 2 * (0.5 - 0.5 / math.pi), rel=1e-12)
+    assert abs(var.item() - table) < 1e-3 * std ** 2 + 1e-12  # table rounded to its digits
+
+
+def test_printed_eq_5_6_gives_one_half_the_corrected_0_3408():
+    c, d = 0.0, 1.0
+    phi, Phi = math.exp(-c * c / (2 * d)) / math.sqrt(2 * math.pi), 0.5
+    printed = Phi * (c * c + d) + c * math.sqrt(d) * phi - c * c
+    _, var = ra.relu_moments(torch.tensor(c, dtype=torch.float64), torch.tensor(d, dtype=torch.float64))
+    assert printed == 0.5 and var.item() == pytest.approx(0.3408, abs=1e-4)
+
+
+@pytest.mark.parametrize("fn,moments", [(F.relu, ra.relu_moments), (F.gelu, ra.gelu_moments)])
+@pytest.mark.parametrize("mu,std", [(0.0, 1.0), (0.7, 0.3), (-0.5, 2.0), (0.2, 0.01)])
+def test_activation_moments_against_monte_carlo(fn, moments, mu, std):
+    mean, var = moments(torch.tensor(mu, dtype=torch.float64), torch.tensor(std ** 2, dtype=torch.float64))
+    mc_mean, mc_var = mc_moments(fn, mu, std)
+    se = math.sqrt(mc_var / 1e6)
+    assert abs(mean.item() - mc_mean) < 5 * se
+    assert mc_var * 0.99 < var.item() < mc_var * 1.01
+
+
+@pytest.mark.parametrize("std,sampled", [(0.01, 2.49e-5), (0.1, 0.0025), (1.0, 0.3467)])
+def test_gelu_variance_near_table_3_sampled_column(std, sampled):
+    _, var = ra.gelu_moments(torch.tensor(0.0, dtype=torch.float64), torch.tensor(std ** 2, dtype=torch.float64))
+    assert var.item() == pytest.approx(sampled, rel=0.03)  # Table 3: 1e6 samples, 2-3 digits
+
+
+def test_zero_variance_activations_are_deterministic():
+    mu = torch.tensor([-1.0, 0.0, 2.0], dtype=torch.float64)
+    for fn, moments in ((F.relu, ra.relu_moments), (F.gelu, ra.gelu_moments)):
+        mean, var = moments(mu, torch.zeros(3, dtype=torch.float64))
+        torch.testing.assert_close(mean, fn(mu))
+        assert (var.abs() < 1e-15).all()
+
+
+def test_linear_variance_against_monte_carlo():
+    g = torch.Generator().manual_seed(3)
+    d_in, d_out, n = 5, 3, 400_000
+    mu = torch.randn(d_in, generator=g, dtype=torch.float64)
+    var = torch.rand(d_in, generator=g, dtype=torch.float64) * 0.5
+    W = torch.randn(d_out, d_in, generator=g, dtype=torch.float64)
+    b, err = torch.randn(d_out, generator=g, dtype=torch.float64), 0.4
+    x = mu + var.sqrt() * torch.randn(n, d_in, generator=g, dtype=torch.float64)
+    Wn = W + err * torch.randn(n, d_out, d_in, generator=g, dtype=torch.float64)
+    y = (Wn @ x[..., None]).squeeze(-1) + b + err * torch.randn(n, d_out, generator=g, dtype=torch.float64)
+    torch.testing.assert_close(ra.linear_var(mu, var, W, err, True), y.var(0), rtol=0.02, atol=0)
+
+
+def test_gumbel_mean_is_euler_not_pi2_over_6():
+    # E max_j (x_j + gamma_j) = logsumexp(x) + zeta, zeta the Gumbel mean (Eq. 5.1-5.2)
+    g = torch.Generator().manual_seed(4)
+    x = torch.tensor([0.3, -1.0, 2.0, 0.5], dtype=torch.float64)
+    u = torch.rand(400_000, 4, generator=g, dtype=torch.float64)
+    noisy_max = (x - torch.log(-torch.log(u))).max(1).values
+    zeta = (noisy_max.mean() - torch.logsumexp(x, 0)).item()
+    assert zeta == pytest.approx(ra.EULER_GAMMA, abs=0.01) and abs(zeta - math.pi ** 2 / 6) > 0.5
+
+
+def test_item_presence_and_effective_errors():
+    p = ra.item_presence(ROWS, M)
+    users = ROWS.shape[0]
+    expected = [max(sum(int(i in row.tolist()) for row in ROWS), 1) / users for i in range(M + 1)]
+    expected[0] = 1.0
+    torch.testing.assert_close(p, torch.tensor(expected, dtype=torch.float64))
+    block, items = ra.effective_errors(2.0, 0.5, 10, p)
+    assert block == 0.1 and items[0] == 0
+    torch.testing.assert_close(items[1:], 0.1 / p[1:])  # sigma_dp C / (B p_i), Eq. C.3
+
+
+def test_one_block_logit_variance_against_monte_carlo_over_noisy_parameters():
+    model = build(blocks=1).eval()
+    g = torch.Generator().manual_seed(5)
+    block_err = 0.05
+    item_err = torch.rand(M + 1, generator=g, dtype=torch.float64) * 0.3
+    item_err[0] = 0
+    model.set_errors(block_err, item_err)
+    record = []
+    with torch.no_grad():
+        model(IDS, record=record)
+    lv = record[0]["var"][:, 0]  # (n, T, T)
+    # Monte Carlo: noisy item and position tables and noisy key weights, the mean model's query
+    n_mc, ids = 20_000, IDS
+    n, T = ids.shape
+    mask = (ids != 0)[..., None].double()
+    E, P = model.items.weight.detach(), model.positions.weight.detach()[L - T:]
+    attn = model.blocks[0].attn
+    Wk, bk = attn.k.weight.detach(), attn.k.bias.detach()
+    with torch.no_grad():
+        q = attn.q(E[ids] * mask + P)  # (n, T, d)
+    d = E.shape[1]
+    En = E + item_err[:, None] * torch.randn(n_mc, M + 1, d, generator=g, dtype=torch.float64)
+    Pn = P + block_err * torch.randn(n_mc, T, d, generator=g, dtype=torch.float64)
+    Wn = Wk + block_err * torch.randn(n_mc, d, d, generator=g, dtype=torch.float64)
+    bn = bk + block_err * torch.randn(n_mc, 1, d, generator=g, dtype=torch.float64)
+    x = En[:, ids] * mask + Pn[:, None]  # (n_mc, n, T, d)
+    K = x @ Wn.transpose(-1, -2)[:, None] + bn[:, None]
+    logits = q @ K.transpose(-1, -2) / math.sqrt(d)  # (n_mc, n, T, T)
+    mc = logits.var(0)
+    torch.testing.assert_close(lv, mc, rtol=0.06, atol=1e-12)
+    assert lv.min() > 0
+
+
+def test_zero_noise_is_the_vanilla_transformer_exactly():
+    vanilla, dpformer = build(False, dropout=0.3).train(), build(True, dropout=0.3).train()
+    dpformer.load_state_dict(vanilla.state_dict())
+    dpformer.set_errors(0.0, torch.zeros(M + 1))
+    torch.manual_seed(7)
+    a = vanilla(IDS)
+    torch.manual_seed(7)
+    b = dpformer(IDS)
+    assert torch.equal(a, b)
+    # the Re-Attention forward itself, with errors too small to move a logit, gives the same scores
+    dpformer.eval().set_errors(1e-200, torch.full((M + 1,), 1e-200))
+    assert dpformer.active
+    torch.testing.assert_close(dpformer(IDS), vanilla.eval()(IDS), rtol=1e-12, atol=1e-12)
+
+
+def test_corrected_scores_are_the_divided_and_renormalised_distribution():
+    model = build().eval()
+    model.set_errors(0.2, torch.linspace(0, 1.5, M + 1, dtype=torch.float64))
+    record = []
+    with torch.no_grad():
+        model(IDS, record=record)
+    n, T = IDS.shape
+    causal = torch.ones(T, T, dtype=torch.bool).tril()
+    allowed = causal & ((IDS != 0)[:, None, :] | torch.eye(T, dtype=torch.bool))
+    for block, r in zip(model.blocks, record):
+        att, var = r["att"][:, 0], r["var"][:, 0]
+        assert (att >= 0).all() and (att[~allowed] == 0).all()
+        torch.testing.assert_close(att.sum(-1), torch.ones(n, T, dtype=torch.float64))
+        # S_i / exp(Var_i / 2), renormalised: the vanilla weights of the same inputs, reweighted
+        assert (var[allowed] > 0).all()
+    x, mask = model.embed(IDS)
+    x = x + model.positions.weight[L - T:]
+    with torch.no_grad():
+        attn = model.blocks[0].attn
+        s = attn.q(x) @ attn.k(x).transpose(-1, -2) / math.sqrt(x.shape[-1])
+        vanilla = torch.softmax(s.masked_fill(~allowed, float("-inf")), -1)
+        w = vanilla / torch.exp(record[0]["var"][:, 0] / 2)
+        torch.testing.assert_close(record[0]["att"][:, 0], w / w.sum(-1, keepdim=True))
+
+
+def test_phantom_norms_exact_for_dpformer():
+    model = build().train()
+    model.set_errors(0.3, torch.linspace(0, 1.0, M + 1, dtype=torch.float64))
+    rows = []
+    for i in range(IDS.shape[0]):
+        model.zero_grad()
+        models.user_losses(model(IDS[i:i + 1]), IDS[i:i + 1], TARGETS[i:i + 1]).sum().backward()
+        rows.append(torch.cat([p.grad.flatten() if p.grad is not None else torch.zeros(p.numel(), dtype=p.dtype)
+                               for p in model.parameters()]))
+    model.zero_grad()
+    ref = torch.stack(rows).norm(dim=1)
+    _, sq = Phantom(model, None).per_user_sq_norms(IDS, TARGETS)
+    assert ref.min() > 0
+    torch.testing.assert_close(sq.sqrt(), ref, rtol=1e-5, atol=0)
+    # the correction moved the model (else the test would not tell)
+    vanilla = build(False).train()
+    vanilla.load_state_dict(model.state_dict())
+    assert not torch.allclose(vanilla(IDS), model(IDS))
+
+
+TINY = ["experiment=dpformer_ci", "model=dpformer", "dataset.n_users=80", "dataset.L=10", "seqrec.batch_size=40"]
+
+
+def test_bad_reattention_settings_are_refused_naming_the_key(cfg_for):
+    from pipeline import tasks
+    from pipeline.config import ConfigError
+
+    tasks.validate(cfg_for(*TINY))
+    tasks.validate(cfg_for(*TINY, "model.reattention.presence=private"))
+    for override, needle in (("model.reattention.presence=nosuch", r"model\.reattention\.presence"),
+                             ("model.reattention.eps_share=0", r"model\.reattention\.eps_share"),
+                             ("model.reattention.eps_share=1", r"model\.reattention\.eps_share"),
+                             ("model.arch=gru", r"model\.reattention")):
+        with pytest.raises(ConfigError, match=needle):
+            tasks.validate(cfg_for(*TINY, "model.reattention.presence=private", override))
+
+
+def test_private_presence_noise_and_budget_split(cfg_for):
+    from pipeline import privacy
+    from pipeline.seqrec import train
+
+    # the counts' noise: std z sqrt(min(L + 1, M)), the floor applied after
+    rows = ROWS.repeat(200, 1)  # 1000 users
+    exact = ra.item_presence(rows, M) * rows.shape[0]
+    g = torch.Generator().manual_seed(9)
+    noisy = torch.stack([ra.item_presence(rows, M, 3.0, g) for _ in range(400)]) * rows.shape[0]
+    diff = (noisy - exact)[:, 1:]
+    assert diff.std().item() == pytest.approx(3.0 * math.sqrt(M), rel=0.05)
+    assert abs(diff.mean().item()) < 0.2
+    # the plan: histogram at (share eps, share delta), DP-SGD at the rest, spent = the sum <= eps
+    public = train.plan(cfg_for(*TINY), 80)
+    private = train.plan(cfg_for(*TINY, "model.reattention.presence=private", "model.reattention.eps_share=0.1"), 80)
+    assert public.presence_multiplier == 0 and private.presence_multiplier > 0
+    assert private.presence_multiplier == pytest.approx(privacy.gaussian_multiplier(eps=0.8, delta=1e-6))
+    assert private.sigma > public.sigma and private.eps_spent <= 8.0 + 1e-9
+    alone = privacy.dpsgd_spent_epsilon(sigma=private.sigma, delta=0.9e-5, sample_rate=private.sample_rate,
+                                        steps=private.steps, accountant="rdp")
+    assert private.eps_spent == pytest.approx(alone + 0.8) and 7.1 < alone <= 7.2 + 1e-9
+
+
+def test_dpformer_end_to_end_one_epoch(run_cli):
+    import pandas as pd
+
+    run_cli(*TINY, "seqrec.epochs=1")
+    res = pd.read_csv(run_cli.tmp / "run" / "results.csv")
+    mine = res[res["method"] == "dpformer"]
+    assert set(mine["split"]) == {"valid", "test"} and (mine["sigma"] > 0).all()
+    assert ((0 <= mine["ndcg10"]) & (mine["ndcg10"] <= mine["hit10"]) & (mine["hit10"] <= 100)).all()
