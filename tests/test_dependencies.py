@@ -22,7 +22,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("pipeline", "hydra_plugins", "benchmarks")
-LOCAL = {"pipeline", "hydra_plugins", "benchmarks", "tests", "conftest"}
+LOCAL = {"pipeline", "hydra_plugins", "benchmarks", "tests"} | {p.stem for p in (ROOT / "tests").glob("*.py")}
 
 
 def _normalise(name: str) -> str:
