@@ -5,13 +5,12 @@ import sys
 import hydra
 from omegaconf import DictConfig
 
+from pipeline import cell
 from pipeline.config import ConfigError
 
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="config")
 def main(cfg: DictConfig) -> None:
-    from pipeline import cell  # here: a refused config does not wait for MLflow and plotting to load
-
     try:
         cell.run(cfg)
     except ConfigError as err:
