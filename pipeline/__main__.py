@@ -5,6 +5,7 @@ import sys
 import hydra
 from omegaconf import DictConfig
 
+from pipeline import cell
 from pipeline.config import ConfigError
 
 
