@@ -5,7 +5,6 @@ import sys
 import hydra
 from omegaconf import DictConfig
 
-from pipeline import cell
 from pipeline.config import ConfigError
 
 
