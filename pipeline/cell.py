@@ -142,6 +142,7 @@ def run(cfg: DictConfig) -> Path:
         draw = sweep is None if draw is None else bool(draw)
         figs = plot.figures(results, cfg.plot, out, labels=method_labels(cfg)) if draw else []
         mlflow.log_metrics(headline_metrics(results))
+        mlflow.set_tag("mlflow.note.content", f"```\n{summary(results)}\n```")  # the run page's Description
         mlflow.log_artifact(str(csv))
         for fig in figs:
             mlflow.log_artifact(str(fig))

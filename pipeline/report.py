@@ -61,6 +61,13 @@ def text_table(table: pd.DataFrame) -> str:
     return "\n".join(lines)
 
 
+def markdown_table(table: pd.DataFrame) -> str:
+    """The table in Markdown (MLflow renders a run's description as Markdown)."""
+    lines = ["| " + " | ".join(map(str, table.columns)) + " |", "|" + "---|" * len(table.columns)]
+    lines += ["| " + " | ".join(map(str, row)) + " |" for row in table.itertuples(index=False)]
+    return "\n".join(lines) + "\n"
+
+
 def headline(results: pd.DataFrame, y: str) -> dict[str, float]:
     """Per method (and coupling): the best (smallest) and worst (largest) cell mean of ``y``:
     ``<method>.best_<y>``, ``<method>.worst_<y>``."""

@@ -93,7 +93,7 @@ def summarise(config: DictConfig, sweep_id: str, sweep_dir: Path, cells: Cells) 
     y = plot.measures(config.plot)[0]
     labels = cell.method_labels(config)
     overrides = [r.get("overrides") or [] for r in cells.done]
-    table = reporting.summary_table(results, y, labels)
+    table = reporting.summary_table(plot.shown(results, config.plot), y, labels)
     config_yaml = OmegaConf.to_yaml({k: v for k, v in config.items() if k != "hydra"}, resolve=True)
     name = config.get("experiment_name") or f"sweep {config.regime.name}"
     runs = [(" ".join(o), r["run_id"]) for o, r in zip(overrides, cells.done)]
@@ -111,7 +111,9 @@ def summarise(config: DictConfig, sweep_id: str, sweep_dir: Path, cells: Cells) 
         params["failed_cells"] = "; ".join(cells.failed)[:6000]
         tags["failed_cells"] = str(len(cells.failed))
     parent = tracking.finish_sweep(sweep_id, f"{name} ({len(cells.done)} cells)", artifacts, params,
-                                   [r["run_id"] for r in cells.done], tags, reporting.headline(results, y))
+                                   [r["run_id"] for r in cells.done], tags, reporting.headline(results, y),
+                                   f"{y.replace('_', ' ')}, mean (sd) across B = {config.trials} trials\n\n"
+                                   + reporting.markdown_table(table))
     if config.report.dir:  # after the parent run: a report that cannot be written loses nothing else
         report(results, config, artifacts)
     print(f"\n{name}: {y.replace('_', ' ')}, mean (sd) across B = {config.trials} trials\n"

@@ -98,7 +98,8 @@ def ui_address(cfg: DictConfig, run_id: str) -> str:
     uri = mlflow.get_tracking_uri()
     experiment = mlflow.get_run(run_id).info.experiment_id
     base = uri if uri.startswith(("http://", "https://")) else str(cfg.mlflow.get("ui") or "http://127.0.0.1:5000")
-    page = f"{base.rstrip('/')}/#/experiments/{experiment}/runs/{run_id}"
+    # workflowType: MLflow 3's UI otherwise shows its GenAI navigation (runs as "Evaluations")
+    page = f"{base.rstrip('/')}/#/experiments/{experiment}/runs/{run_id}?workflowType=machine_learning"
     if base is uri:
         return page
     return f"{page}  (after: mlflow ui --backend-store-uri {uri})"
@@ -206,7 +207,7 @@ def end_running(cfg: DictConfig, tag: str, value: str, status: str) -> int:
 
 def finish_sweep(sweep: str, name: str, artifacts: list[str], params: Mapping[str, object],
                  cells: list[str], tags: Mapping[str, str] | None = None,
-                 metrics: Mapping[str, float] | None = None) -> str:
+                 metrics: Mapping[str, float] | None = None, description: str | None = None) -> str:
     """Create the sweep's parent run, log its artifacts, and attach the given cell runs to it
     (a resumed sweep's cells may come from an earlier launch: they are re-tagged with this sweep)."""
     with run(name, {SWEEP_TAG: sweep, "kind": "sweep", **(tags or {})}) as parent:
@@ -218,6 +219,8 @@ def finish_sweep(sweep: str, name: str, artifacts: list[str], params: Mapping[st
             client.set_tag(run_id, "mlflow.parentRunId", parent.info.run_id)
             client.set_tag(run_id, SWEEP_TAG, sweep)
         mlflow.log_metrics({"cells": len(cells), **(metrics or {})})
+        if description:  # the run page's Description
+            mlflow.set_tag("mlflow.note.content", description[:50000])
         return parent.info.run_id
 
 
