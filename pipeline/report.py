@@ -99,7 +99,7 @@ def write_html(path: Path, title: str, command: str, config_yaml: str, table: pd
         "<!doctype html><html><head><meta charset='utf-8'>",
         f"<title>{esc(title)}</title><style>body{{font-family:sans-serif;max-width:1200px;margin:1em auto;}}"
         "table{border-collapse:collapse;font-size:13px}td,th{border:1px solid #ccc;padding:2px 6px;text-align:right}"
-        "pre{background:#f6f6f6;padding:8px;font-size:12px;overflow-x:auto}img{max-width:100%}</style></head><body>",
+        "pre{background:#f6f6f6;padding:8px;font-size:12px;white-space:pre-wrap;word-break:break-all}img{max-width:100%}</style></head><body>",
         f"<h1>{esc(title)}</h1>",
     ]
     if parent:
