@@ -122,8 +122,10 @@ def run(cfg: DictConfig) -> Path:
     if sweep is not None:
         tags |= {tracking.SWEEP_TAG: sweep.id, tracking.SWEEP_DIR_TAG: sweep.dir}
     name = cell_name(cfg, const, sweep)
+    shown = headline_params(cfg, const, sweep)
+    shown = {k: v for k, v in shown.items() if not ("." in k and short_key(k) in shown)}  # regime.N: N is there
     log.info("cell: %s (%s)", name, " ".join(f"{k}={v:g}" if isinstance(v, float) else f"{k}={v}"
-                                              for k, v in headline_params(cfg, const, sweep).items()))
+                                              for k, v in shown.items()))
     with tracking.run(name, tags) as active:
         start = time.perf_counter()
         mlflow.log_params(headline_params(cfg, const, sweep))

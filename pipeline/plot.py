@@ -27,7 +27,7 @@ SYMBOLS = {"N": "$N$", "T": "$T$", "eps": r"$\varepsilon$", "delta": r"$\delta$"
 AXES = {"N": "$N$ (training prompts)", "T": "$T$ (gradient steps)", "eps": r"privacy budget $\varepsilon$",
         "attack_c": "$c$", "attack_p": r"$p$ (perturbation $\alpha = c N^p$)", "attack_alpha": r"$\alpha$"}
 MEASURES = {"excess_risk": "excess risk vs ridge", "attack_risk": "attack risk", "test_mse": "test MSE"}
-DODGE = 0.12  # the total horizontal spread of the series at one x, as a fraction of the smallest x gap
+DODGE = 0.25  # the total horizontal spread of the series at one x, as a fraction of the smallest x gap
 
 
 def symbol(column: str) -> str:
@@ -136,12 +136,9 @@ def figure(df: pd.DataFrame, spec: DictConfig, path: Path, labels: dict[str, str
     rows = -(-len(seen) // max(ncol, 1))
     fig.legend(list(seen.values()), list(seen.keys()), loc="lower center", ncol=max(ncol, 1), fontsize=8,
                frameon=False)  # below the panels: it never covers data
-    title = spec.title or ""
-    if title:
-        width = int(9 * 5.0 * len(panels) + 10)  # characters that fit on the figure's width at 11 pt
-        fig.suptitle(textwrap.fill(title, width), fontsize=11)
-    top = 1.0 - (0.055 * (title.count("\n") + 1 + len(title) // max(int(9 * 5.0 * len(panels) + 10), 1)) if title else 0.0)
-    fig.tight_layout(rect=(0, 0.06 * rows + 0.02, 1, top))
+    if spec.title:  # wrapped to the figure's width (about 12 characters an inch at 10 pt)
+        fig.suptitle(textwrap.fill(str(spec.title), int(12 * 5.0 * len(panels))), fontsize=10)
+    fig.tight_layout(rect=(0, 0.06 * rows + 0.02, 1, 1))  # tight_layout leaves room for the suptitle
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=130)
     plt.close(fig)
