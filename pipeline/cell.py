@@ -50,7 +50,7 @@ def cell_name(cfg: DictConfig, const: config.Constants, sweep: tracking.Sweep | 
 def headline_params(cfg: DictConfig, const: config.Constants, sweep: tracking.Sweep | None) -> dict[str, object]:
     """The short params the runs table shows first: N, eps, T, B, alpha under an attack, and every swept
     value under its override key (``attack.c``, ``attack.p``)."""
-    T = ",".join(str(t) for t in const.T)
+    T = str(const.T[0]) if len(const.T) == 1 else f"{min(const.T)}..{max(const.T)} ({len(const.T)} horizons)"
     params: dict[str, object] = {"N": const.N, "eps": cfg.privacy.eps, "T": T, "B": cfg.trials}
     if cfg.attack.name != "none":
         params |= {"attack.c": cfg.attack.c, "attack.p": cfg.attack.p, "alpha": attacks.alpha(cfg.attack, const.N)}
