@@ -223,8 +223,10 @@ def outputs(name: str, const: config.Constants, cfg: DictConfig) -> tuple[torch.
     method = ESTIMATORS[spec.estimator]
     dtype = getattr(torch, cfg.compute.dtype)
     runs = runs_of(name, cfg)
-    fits = [method.fit(canary(const, runs, dtype, neighbour=nb), const, cfg, spec, stream=f":audit-{side}")
-            for nb, side in ((False, "canary"), (True, "neighbour"))]
+    fits = []
+    for nb, side in ((False, "canary"), (True, "neighbour")):
+        log.info("audit: %s, %d runs on the %s set (%d/2)", name, runs, side, len(fits) + 1)
+        fits.append(method.fit(canary(const, runs, dtype, neighbour=nb), const, cfg, spec, stream=f":audit-{side}"))
     return fits[0].gamma[:, 0].flatten(1), fits[1].gamma[:, 0].flatten(1), fits[0].params
 
 

@@ -9,6 +9,7 @@ varies), one panel per method or all methods in one panel, and error bars of
 
 from __future__ import annotations
 
+import textwrap
 from pathlib import Path
 
 import matplotlib
@@ -19,6 +20,32 @@ import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 import seaborn as sns  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402
+
+# Axis and legend names of the results columns (math, as the paper writes them).
+SYMBOLS = {"N": "$N$", "T": "$T$", "eps": r"$\varepsilon$", "delta": r"$\delta$", "attack_c": "$c$",
+           "attack_p": "$p$", "attack_alpha": r"$\alpha$", "L": "$L$", "D": "$D$", "B": "$B$"}
+AXES = {"N": "$N$ (training prompts)", "T": "$T$ (gradient steps)", "eps": r"privacy budget $\varepsilon$",
+        "attack_c": "$c$", "attack_p": r"$p$ (perturbation $\alpha = c N^p$)", "attack_alpha": r"$\alpha$"}
+MEASURES = {"excess_risk": "excess risk vs ridge", "attack_risk": "attack risk", "test_mse": "test MSE"}
+DODGE = 0.25  # the total horizontal spread of the series at one x, as a fraction of the smallest x gap
+
+
+def symbol(column: str) -> str:
+    return SYMBOLS.get(column, column.replace("_", " "))
+
+
+def _dodged(x: pd.Series, index: int, count: int, xs: np.ndarray, log: bool) -> np.ndarray:
+    """x shifted for series ``index`` of ``count`` so that bars at the same x do not overlap."""
+    x = x.to_numpy(dtype=float)
+    if count < 2:
+        return x
+    xs = np.unique(xs.astype(float))
+    if log and (xs > 0).all():
+        gap = np.diff(np.log10(xs)).min() if len(xs) > 1 else 0.2
+        return x * 10 ** ((index - (count - 1) / 2) * DODGE * gap / (count - 1))
+    gap = np.diff(xs).min() if len(xs) > 1 else max(abs(xs[0]) * 0.2, 1.0)
+    return x + (index - (count - 1) / 2) * DODGE * gap / (count - 1)
+
 
 def _auto(df: pd.DataFrame, spec: DictConfig) -> tuple[str, str | None]:
     x = spec.x
@@ -77,29 +104,41 @@ def figure(df: pd.DataFrame, spec: DictConfig, path: Path, labels: dict[str, str
     df["series"] = [_series(r, labels) for _, r in df.iterrows()]
     facet = spec.facet if spec.facet not in (None, "none") else None
     panels = sorted(df[facet].unique()) if facet else [None]
-    fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4.2), squeeze=False)
+    fig, axes = plt.subplots(1, len(panels), figsize=(5.0 * len(panels), 4.0), squeeze=False)
     key = hue or "series"
     palette = sns.color_palette("viridis" if hue else "tab10", df[key].nunique())
-    colors = dict(zip(sorted(df[key].unique()), palette))
+    values = sorted(df[key].unique())
+    colors = dict(zip(values, palette))
+    xlog = x == "N" and df[x].nunique() > 2 and df[x].max() / max(df[x].min(), 1e-300) >= 20
     for ax, panel in zip(axes[0], panels):
         sub = df if panel is None else df[df[facet] == panel]
         for value, g in sub.groupby(key):
             g = g.sort_values(x)
-            label = f"{hue} = {value:g}" if hue else value
-            ax.errorbar(g[x], g["y"], yerr=[g["lo"], g["hi"]], marker="o", ms=4, capsize=3, label=label,
+            label = f"{symbol(hue)} = {value:g}" if hue else value
+            at = _dodged(g[x], values.index(value), len(values), df[x].to_numpy(), xlog)
+            ax.errorbar(at, g["y"], yerr=[g["lo"], g["hi"]], marker="o", ms=4, capsize=3, label=label,
                         color=colors[value])
-        ax.set_xlabel(x)
-        ax.set_ylabel(y.replace("_", " ") + (" vs ridge" if y == "excess_risk" else ""))
+        ax.set_xlabel(AXES.get(x, symbol(x)))
+        ax.set_ylabel(MEASURES.get(y, y.replace("_", " ")))
         ax.set_yscale(spec.yscale)
-        if panel is None:
-            ax.set_title(spec.title or "")
-        else:
-            ax.set_title(labels.get(panel, panel) if facet == "method" else f"{facet} = {panel:g}")
+        if xlog:
+            ax.set_xscale("log")
+        if panel is not None:
+            name = labels.get(panel, panel) if facet == "method" else f"{symbol(facet)} = {panel:g}"
+            ax.set_title(name, fontsize=10)
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-    if spec.title and panels != [None]:
-        fig.suptitle(spec.title)
-    fig.tight_layout()
+    handles, names = axes[0][0].get_legend_handles_labels()
+    seen = dict(zip(names, handles))
+    for ax in axes[0][1:]:
+        for h, n in zip(*ax.get_legend_handles_labels()):
+            seen.setdefault(n, h)
+    ncol = min(len(seen), 3 if len(panels) == 1 else 4)
+    rows = -(-len(seen) // max(ncol, 1))
+    fig.legend(list(seen.values()), list(seen.keys()), loc="lower center", ncol=max(ncol, 1), fontsize=8,
+               frameon=False)  # below the panels: it never covers data
+    if spec.title:  # wrapped to the figure's width (about 12 characters an inch at 10 pt)
+        fig.suptitle(textwrap.fill(str(spec.title), int(12 * 5.0 * len(panels))), fontsize=10)
+    fig.tight_layout(rect=(0, 0.06 * rows + 0.02, 1, 1))  # tight_layout leaves room for the suptitle
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=130)
     plt.close(fig)

@@ -12,15 +12,18 @@ from __future__ import annotations
 
 import json
 import logging
+import shlex
 import shutil
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
 
 import pandas as pd
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from pipeline import cell, plot, tracking
+from pipeline import report as reporting
 
 log = logging.getLogger(__name__)
 
@@ -93,10 +96,41 @@ def summarise(config: DictConfig, sweep_id: str, sweep_dir: Path, cells: Cells) 
         (sweep_dir / "table.md").write_text(markdown)
         artifacts += [str(sweep_dir / "table.csv"), str(sweep_dir / "table.md")]
         log.info("table:\n%s", markdown)
-    _finish(config, sweep_id, sweep_dir, cells, artifacts, {"regime": config.regime.name})
+    y = plot.measures(config.plot)[0]
+    labels = cell.method_labels(config)
+    overrides = [r.get("overrides") or [] for r in cells.done]
+    table = reporting.summary_table(plot.shown(results, config.plot), y, labels)
+    config_yaml = OmegaConf.to_yaml({k: v for k, v in config.items() if k != "hydra"}, resolve=True)
+    name = config.get("experiment_name") or f"sweep {config.regime.name}"
+    runs = [(" ".join(o), r["run_id"]) for o, r in zip(overrides, cells.done)]
+    page = reporting.write_html(sweep_dir / "report.html", f"{name}: {len(cells.done)} cells, B = {config.trials}",
+                                command(), config_yaml, table, figs, runs)
+    artifacts.append(str(page))
+    tracking.setup(config)
+    grid = reporting.grid(overrides)
+    params = {"cells": len(cells.done), "task": "noisyhead", "regime": config.regime.name, "sweep_dir": str(sweep_dir),
+              "B": config.trials, "measure": y,
+              "grid": "; ".join(f"{k}={','.join(v)}" for k, v in grid.items() if len(v) > 1)[:6000] or "-",
+              "command": command()[:6000]}
+    tags = {tracking.SWEEP_DIR_TAG: str(Path(sweep_dir).resolve())}
+    if cells.failed:
+        params["failed_cells"] = "; ".join(cells.failed)[:6000]
+        tags["failed_cells"] = str(len(cells.failed))
+    parent = tracking.finish_sweep(sweep_id, f"{name} ({len(cells.done)} cells)", artifacts, params,
+                                   [r["run_id"] for r in cells.done], tags, reporting.headline(results, y),
+                                   f"{y.replace('_', ' ')}, mean (sd) across B = {config.trials} trials\n\n"
+                                   + reporting.markdown_table(table))
     if config.report.dir:  # after the parent run: a report that cannot be written loses nothing else
         report(results, config, artifacts)
-    log.info("sweep of %d cells: wrote %s and %s", len(cells.done), csv, ", ".join(map(str, figs)))
+    print(f"\n{name}: {y.replace('_', ' ')}, mean (sd) across B = {config.trials} trials\n"
+          f"{reporting.text_table(table)}\n"
+          f"report: {page}\nMLflow parent run {parent}: {tracking.ui_address(config, parent)}", flush=True)
+    log.info("sweep of %d cells: wrote %s, %s and %s", len(cells.done), csv, page, ", ".join(map(str, figs)))
+
+
+def command() -> str:
+    """The command line that started this process."""
+    return "python -m pipeline " + " ".join(shlex.quote(a) for a in sys.argv[1:])
 
 
 def _finish(config: DictConfig, sweep_id: str, sweep_dir: Path, cells: Cells, artifacts: list[str],

@@ -36,6 +36,7 @@ log = logging.getLogger(__name__)
 SWEEP_TAG = "sweep"
 SWEEP_DIR_TAG = "sweep_dir"
 HASH_TAG = "config_hash"
+KIND_TAG = "mlflow.experimentKind"
 RECORD = "cell.json"
 TERMINATED = 143  # the exit status of a process stopped by SIGTERM (128 + 15)
 
@@ -89,7 +90,22 @@ def setup(cfg: DictConfig) -> None:
     if cfg.mlflow.tracking_uri:
         mlflow.set_tracking_uri(cfg.mlflow.tracking_uri)
     with _store_lock(mlflow.get_tracking_uri()):
-        mlflow.set_experiment(cfg.mlflow.experiment)
+        experiment = mlflow.set_experiment(cfg.mlflow.experiment)
+        kind = cfg.mlflow.get("experiment_kind")
+        if kind and experiment.tags.get(KIND_TAG) != kind:  # the UI opens the runs table, not the GenAI overview
+            mlflow.MlflowClient().set_experiment_tag(experiment.experiment_id, KIND_TAG, str(kind))
+
+
+def ui_address(cfg: DictConfig, run_id: str) -> str:
+    """Where a run is shown: the tracking server's page, or the page `mlflow ui` serves for a local store."""
+    uri = mlflow.get_tracking_uri()
+    experiment = mlflow.get_run(run_id).info.experiment_id
+    base = uri if uri.startswith(("http://", "https://")) else str(cfg.mlflow.get("ui") or "http://127.0.0.1:5000")
+    # workflowType: MLflow 3's UI otherwise shows its GenAI navigation (runs as "Evaluations")
+    page = f"{base.rstrip('/')}/#/experiments/{experiment}/runs/{run_id}?workflowType=machine_learning"
+    if base is uri:
+        return page
+    return f"{page}  (after: mlflow ui --backend-store-uri {uri})"
 
 
 @contextlib.contextmanager
@@ -125,6 +141,9 @@ class Sweep:
     dir: str
     resume: bool
     overrides: tuple[str, ...]
+    swept: tuple[str, ...] = ()   # the keys whose value differs between the sweep's cells
+    cells: int = 0                # how many cells the sweep has
+    started: float = 0.0          # when the sweep started (epoch seconds)
 
 
 def current_sweep() -> Sweep | None:
@@ -139,7 +158,9 @@ def current_sweep() -> Sweep | None:
     if hc.mode != RunMode.MULTIRUN or not hc.sweeper.get("sweep_id"):
         return None
     return Sweep(id=str(hc.sweeper.sweep_id), dir=str(Path(hc.sweep.dir).resolve()),
-                 resume=bool(hc.sweeper.get("resume", False)), overrides=tuple(hc.overrides.task))
+                 resume=bool(hc.sweeper.get("resume", False)), overrides=tuple(hc.overrides.task),
+                 swept=tuple(hc.sweeper.get("swept") or ()), cells=int(hc.sweeper.get("cells") or 0),
+                 started=float(hc.sweeper.get("started") or 0.0))
 
 
 def config_hash(cfg: DictConfig) -> str:
@@ -231,7 +252,8 @@ def end_running(cfg: DictConfig, tag: str, value: str, status: str) -> int:
 
 
 def finish_sweep(sweep: str, name: str, artifacts: list[str], params: Mapping[str, object],
-                 cells: list[str], tags: Mapping[str, str] | None = None) -> str:
+                 cells: list[str], tags: Mapping[str, str] | None = None,
+                 metrics: Mapping[str, float] | None = None, description: str | None = None) -> str:
     """Create the sweep's parent run, log its artifacts, and attach the given cell runs to it
     (a resumed sweep's cells may come from an earlier launch: they are re-tagged with this sweep)."""
     with run(name, {SWEEP_TAG: sweep, "kind": "sweep", **(tags or {})}) as parent:
@@ -242,7 +264,9 @@ def finish_sweep(sweep: str, name: str, artifacts: list[str], params: Mapping[st
         for run_id in cells:
             client.set_tag(run_id, "mlflow.parentRunId", parent.info.run_id)
             client.set_tag(run_id, SWEEP_TAG, sweep)
-        mlflow.log_metric("cells", len(cells))
+        mlflow.log_metrics({"cells": len(cells), **(metrics or {})})
+        if description:  # the run page's Description
+            mlflow.set_tag("mlflow.note.content", description[:50000])
         return parent.info.run_id
 
 

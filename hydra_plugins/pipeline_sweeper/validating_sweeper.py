@@ -20,7 +20,8 @@ It lives in ``hydra_plugins`` because Hydra only loads sweepers from there.
 import logging
 import re
 import sys
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
 
@@ -41,6 +42,9 @@ class ValidatingSweeperConf:
     params: Optional[Dict[str, str]] = None
     resume: bool = False           # skip cells that FINISHED earlier in this sweep folder with the same config
     sweep_id: str = "${uid:}"      # tags every cell of this sweep (made concrete before launching)
+    swept: List[str] = field(default_factory=list)  # set here: the keys whose value differs between cells
+    cells: int = 0                 # set here: the number of cells (a cell's k/n progress line)
+    started: float = 0.0           # set here: when the sweep started (a cell's estimate of the time left)
 
 
 ConfigStore.instance().store(group="hydra/sweeper", name="validating", node=ValidatingSweeperConf,
@@ -59,9 +63,21 @@ def _error(message: str, status: int) -> None:
     sys.exit(status)
 
 
+def swept_keys(jobs: Sequence[Sequence[str]]) -> List[str]:
+    """The override keys whose value differs between the jobs, in the order of the overrides."""
+    values: Dict[str, set] = {}
+    for job in jobs:
+        for override in job:
+            key, _, value = override.partition("=")
+            values.setdefault(key, set()).add(value)
+    counts = {key: sum(1 for job in jobs if any(o.partition("=")[0] == key for o in job)) for key in values}
+    return [key for key, seen in values.items() if len(seen) > 1 or counts[key] < len(jobs)]
+
+
 class ValidatingSweeper(BasicSweeper):
     def __init__(self, max_batch_size: Optional[int] = None, params: Optional[Dict[str, str]] = None,
-                 resume: bool = False, sweep_id: str = "") -> None:
+                 resume: bool = False, sweep_id: str = "", swept: Optional[List[str]] = None,
+                 cells: int = 0, started: float = 0.0) -> None:
         super().__init__(max_batch_size=max_batch_size, params=params)
         self.resume = resume
         self.sweep_id = sweep_id
@@ -80,12 +96,16 @@ class ValidatingSweeper(BasicSweeper):
                 print(f"error: in the sweep cell {' '.join(overrides)}: {err}", file=sys.stderr)
                 sys.exit(2)
 
-    def _pin(self, sweep_dir: Path) -> None:
+    def _pin(self, sweep_dir: Path, jobs: Sequence[Sequence[str]]) -> None:
         """Make the sweep's id and folder concrete in every cell's config (each launcher composes
-        a cell's config from the master config's Hydra overrides, in its own process)."""
+        a cell's config from the master config's Hydra overrides, in its own process), with the
+        keys the sweep varies (a cell's run name and params), its size and start (progress)."""
+        swept = swept_keys(jobs)
         with read_write(self.config.hydra), open_dict(self.config.hydra):
             self.config.hydra.overrides.hydra.extend(
-                [f"hydra.sweeper.sweep_id={self.sweep_id}", f"hydra.sweep.dir={_quote(str(sweep_dir))}"])
+                [f"hydra.sweeper.sweep_id={self.sweep_id}", f"hydra.sweep.dir={_quote(str(sweep_dir))}",
+                 f"hydra.sweeper.swept=[{','.join(_quote(k) for k in swept)}]",
+                 f"hydra.sweeper.cells={len(jobs)}", f"hydra.sweeper.started={time.time():.3f}"])
 
     def sweep(self, arguments: List[str]) -> Any:
         from pipeline import sweep as summary
@@ -102,7 +122,7 @@ class ValidatingSweeper(BasicSweeper):
 
         self.sweep_id = str(self.config.hydra.sweeper.sweep_id)
         sweep_dir = Path(str(self.config.hydra.sweep.dir)).resolve()
-        self._pin(sweep_dir)
+        self._pin(sweep_dir, jobs)
         sweep_dir.mkdir(parents=True, exist_ok=True)
         OmegaConf.save(self.config, sweep_dir / "multirun.yaml")
         tracking.setup(self.config)  # create and migrate the store once, before any job opens it

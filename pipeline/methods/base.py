@@ -25,6 +25,11 @@ def noise_scale(spec) -> float:
     return float(getattr(spec, "noise_scale", 1.0))
 
 
+def steps(n: int, desc: str) -> Iterator[int]:
+    """range(n) with a progress bar on a terminal (silent otherwise): the steps of one chunk."""
+    return iter(tqdm(range(n), desc=desc, leave=False, disable=None, mininterval=1.0))
+
+
 def chunks(trials: int, size: int, desc: str) -> Iterator[tuple[int, slice]]:
     """(chunk index, slice of trials). Random draws belong to the trials (``rng``), not to the
     chunk, so the chunk size changes no number."""

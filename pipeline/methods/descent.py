@@ -23,6 +23,7 @@ from torch import Tensor
 
 from pipeline import rng
 from pipeline.features import Features, project_frobenius
+from pipeline.methods.base import steps as progress
 
 
 class Quadratic:
@@ -119,7 +120,7 @@ def descend(
     out = gamma0.new_empty(B, len(T), D, D)
     trace: list[float] = []
     done = 0  # horizons reached so far; the private trajectories still running are gamma[:, done:]
-    for t in range(horizons[-1]):
+    for t in progress(horizons[-1], "descent steps"):
         first = done if private else 0
         g, value = update(quad, gamma[:, first:], lam=lam, eta0=eta0)
         trace.append(float(value[0, -1]))

@@ -26,7 +26,7 @@ from torch import Tensor
 
 from pipeline import privacy, rng
 from pipeline.features import Features
-from pipeline.methods.base import Fit, chunks, noise_scale
+from pipeline.methods.base import Fit, chunks, noise_scale, steps as progress
 from pipeline.methods.descent import initial_gamma
 
 PRIVATE = True
@@ -40,7 +40,7 @@ def descend(feats: Features, gamma0: Tensor, *, lam: float, eta0: float, steps: 
     gamma = gamma0.unsqueeze(1)
     norms = feats.norms().unsqueeze(1)  # ||Z_k||: (B, 1, N)
     expected = sample_rate * feats.y.shape[-1]
-    for t in range(steps):
+    for t in progress(steps, "dpsgd steps"):
         r = feats.inner(gamma) - feats.y.unsqueeze(1)  # per-sample gradient is r_k Z_k
         clip = (max_grad_norm / (r.abs() * norms + OPACUS_EPS)).clamp(max=1.0)
         summed = feats.combine(masks[:, t].unsqueeze(1) * clip * r)

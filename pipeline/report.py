@@ -1,0 +1,120 @@
+"""A sweep's report: the summary table printed at the end of a sweep, its headline numbers, and
+``report.html``, one self-contained page (figures embedded as base64 PNG) with the command, the
+config, the table, every figure and the cells' MLflow run ids."""
+
+from __future__ import annotations
+
+import base64
+import html
+import math
+from pathlib import Path
+from typing import Sequence
+
+import pandas as pd
+
+# The columns that tell the cells of a sweep apart, in the order the table shows them.
+CELL_KEYS = ("N", "eps", "T", "attack_c", "attack_p")
+
+
+def cell_keys(results: pd.DataFrame) -> list[str]:
+    """The cell columns whose value varies across the rows (N, eps, T, c, p)."""
+    return [k for k in CELL_KEYS if k in results and results[k].astype(str).nunique() > 1]
+
+
+def summary_table(results: pd.DataFrame, y: str, labels: dict[str, str] | None = None) -> pd.DataFrame:
+    """One row per cell (in the order of ``results``: the sweep grid's), one column per method:
+    ``<label>`` "mean (sd)" of ``y`` across trials (``<label>, <coupling> noise`` per coupling of a
+    private method under an attack). The first columns are the cell keys."""
+    labels = labels or {}
+    keys = cell_keys(results) or ["N"]
+    df = results[results[f"{y}_mean"].notna()].copy()
+    df["column"] = [labels.get(m, m) + (f", {c} noise" if c in ("independent", "shared") else "")
+                    for m, c in zip(df["method"], df["coupling"])]
+    columns = list(dict.fromkeys(df["column"]))
+    rows = []
+    for key, group in df.groupby(keys, sort=False, dropna=False):
+        key = key if isinstance(key, tuple) else (key,)
+        row = {_KEY_NAMES.get(k, k): _fmt_key(v) for k, v in zip(keys, key)}
+        by_column = {r.column: r for r in group.itertuples()}
+        for c in columns:
+            r = by_column.get(c)
+            row[c] = "" if r is None else f"{getattr(r, f'{y}_mean'):.4g} ({getattr(r, f'{y}_sd'):.2g})"
+        rows.append(row)
+    return pd.DataFrame(rows)
+
+
+_KEY_NAMES = {"attack_c": "c", "attack_p": "p"}
+
+
+def _fmt_key(value) -> str:
+    if isinstance(value, float):
+        return "" if math.isnan(value) else f"{value:g}"
+    return str(value)
+
+
+def text_table(table: pd.DataFrame) -> str:
+    """The table as fixed-width text for the console."""
+    cols = list(table.columns)
+    widths = [max(len(str(c)), *(len(str(v)) for v in table[c])) for c in cols]
+    lines = ["  ".join(str(c).rjust(w) for c, w in zip(cols, widths))]
+    lines += ["  ".join(str(v).rjust(w) for v, w in zip(row, widths)) for row in table.itertuples(index=False)]
+    return "\n".join(lines)
+
+
+def markdown_table(table: pd.DataFrame) -> str:
+    """The table in Markdown (MLflow renders a run's description as Markdown)."""
+    lines = ["| " + " | ".join(map(str, table.columns)) + " |", "|" + "---|" * len(table.columns)]
+    lines += ["| " + " | ".join(map(str, row)) + " |" for row in table.itertuples(index=False)]
+    return "\n".join(lines) + "\n"
+
+
+def headline(results: pd.DataFrame, y: str) -> dict[str, float]:
+    """Per method (and coupling): the best (smallest) and worst (largest) cell mean of ``y``:
+    ``<method>.best_<y>``, ``<method>.worst_<y>``."""
+    out = {}
+    df = results[results[f"{y}_mean"].notna()]
+    for (method, coupling), rows in df.groupby([df["method"], df["coupling"].fillna("")], sort=False):
+        key = method + (f".{coupling}" if coupling not in ("", "none") else "")
+        out[f"{key}.best_{y}"] = float(rows[f"{y}_mean"].min())
+        out[f"{key}.worst_{y}"] = float(rows[f"{y}_mean"].max())
+    return out
+
+
+def grid(overrides: Sequence[Sequence[str]]) -> dict[str, list[str]]:
+    """The values each override key takes across the cells, in order of first appearance."""
+    values: dict[str, list[str]] = {}
+    for job in overrides:
+        for override in job:
+            key, _, value = override.partition("=")
+            if value not in values.setdefault(key, []):
+                values[key].append(value)
+    return values
+
+
+def write_html(path: Path, title: str, command: str, config_yaml: str, table: pd.DataFrame,
+               figures: Sequence[Path], runs: Sequence[tuple[str, str]], parent: str | None = None) -> Path:
+    """``report.html``: self-contained (every figure inlined), readable without a server."""
+    esc = html.escape
+    parts = [
+        "<!doctype html><html><head><meta charset='utf-8'>",
+        f"<title>{esc(title)}</title><style>body{{font-family:sans-serif;max-width:1200px;margin:1em auto;}}"
+        "table{border-collapse:collapse;font-size:13px}td,th{border:1px solid #ccc;padding:2px 6px;text-align:right}"
+        "pre{background:#f6f6f6;padding:8px;font-size:12px;white-space:pre-wrap;word-break:break-all}img{max-width:100%}</style></head><body>",
+        f"<h1>{esc(title)}</h1>",
+    ]
+    if parent:
+        parts.append(f"<p>MLflow parent run: <code>{esc(parent)}</code></p>")
+    parts += [f"<h2>Command</h2><pre>{esc(command)}</pre>",
+              "<h2>Results</h2><p>mean (sd) across trials, one row per cell in sweep order</p>",
+              table.to_html(index=False, escape=True, border=0, classes="results"),
+              "<h2>Figures</h2>"]
+    for fig in figures:
+        data = base64.b64encode(Path(fig).read_bytes()).decode("ascii")
+        parts.append(f"<figure><img alt='{esc(Path(fig).stem)}' src='data:image/png;base64,{data}'>"
+                     f"<figcaption>{esc(Path(fig).name)}</figcaption></figure>")
+    parts.append("<h2>Cells</h2><table class='runs'><tr><th>cell</th><th>MLflow run id</th></tr>")
+    parts += [f"<tr><td>{esc(name)}</td><td><code>{esc(run_id)}</code></td></tr>" for name, run_id in runs]
+    parts += ["</table>", f"<h2>Config</h2><pre>{esc(config_yaml)}</pre>", "</body></html>"]
+    path = Path(path)
+    path.write_text("\n".join(parts), encoding="utf-8")
+    return path

@@ -1,0 +1,146 @@
+"""What a user sees, in a real browser: a tiny sweep fills a store, `mlflow server` serves it on
+127.0.0.1, and headless Chromium renders the experiment's runs table, a cell's run page and the
+sweep's report.html. Screenshots are kept in $BROWSER_ARTIFACTS (default: the test's tmp folder).
+Skipped when Debian's `chromium` is not installed (.ci/run installs it)."""
+
+import base64
+import json
+import os
+import re
+import shutil
+import socket
+import struct
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from conftest import ROOT
+
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+pytestmark = pytest.mark.skipif(CHROMIUM is None, reason="chromium is not installed (apt-get install chromium)")
+ENV = dict(os.environ, PYTHONWARNINGS="ignore")
+FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+         "--disable-background-networking", "--disable-component-update", "--disable-sync",
+         "--hide-scrollbars", "--window-size=1280,800"]
+
+
+def png_size(data: bytes) -> tuple[int, int]:
+    """(width, height) of a PNG, read from its header (fails on anything else)."""
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and data[12:16] == b"IHDR", data[:16]
+    return struct.unpack(">II", data[16:24])
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def render(url: str, shot: Path, profile: Path, wait_ms: int = 8000) -> str:
+    """The DOM Chromium renders at ``url`` (after ``wait_ms`` of page time); a PNG screenshot to ``shot``."""
+    proc = subprocess.run([CHROMIUM, *FLAGS, f"--user-data-dir={profile}", f"--virtual-time-budget={wait_ms}",
+                           f"--screenshot={shot}", "--dump-dom", url],
+                          capture_output=True, text=True, timeout=120)
+    assert shot.is_file(), proc.stderr[-2000:]
+    return proc.stdout
+
+
+def visible_text(dom: str) -> str:
+    return re.sub(r"\s+", " ", re.sub(r"<[^>]+>", " ", re.sub(r"<(script|style)[^>]*>.*?</\1>", " ", dom, flags=re.S)))
+
+
+@pytest.fixture(scope="module")
+def sweep(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("browser")
+    store = f"sqlite:///{tmp / 'mlflow.db'}"
+    proc = subprocess.run([sys.executable, "-m", "pipeline", "-m", "trials=2", "regime.N=40,60", "privacy.eps=0.5",
+                           "dataset.n_test=10", "compute.chunk_trials=2", "method=[ridge,noisyhead]",
+                           f"mlflow.tracking_uri={store}", f"hydra.sweep.dir={tmp / 'sweep'}"],
+                          cwd=ROOT, capture_output=True, text=True, env=ENV, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return tmp, store, proc
+
+
+@pytest.fixture(scope="module")
+def server(sweep):
+    tmp, store, _ = sweep
+    port = _free_port()
+    log = open(tmp / "server.log", "w")
+    proc = subprocess.Popen([sys.executable, "-m", "mlflow", "server", "--backend-store-uri", store,
+                             "--host", "127.0.0.1", "--port", str(port), "--workers", "1"],
+                            stdout=log, stderr=subprocess.STDOUT, env=ENV, cwd=tmp)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        for _ in range(240):
+            try:
+                urllib.request.urlopen(url + "/health", timeout=2)
+                break
+            except OSError:
+                assert proc.poll() is None, (tmp / "server.log").read_text()[-2000:]
+                time.sleep(0.5)
+        else:
+            pytest.fail("mlflow server did not answer in 120 s")
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+        log.close()
+
+
+@pytest.fixture(scope="module")
+def shots(tmp_path_factory):
+    folder = Path(os.environ.get("BROWSER_ARTIFACTS") or tmp_path_factory.mktemp("screenshots"))
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder
+
+
+def test_sweep_prints_its_table_parent_run_and_ui_address(sweep):
+    tmp, _, proc = sweep
+    out = proc.stdout
+    assert re.search(r"^\s*N\s.*NoisyHead", out, re.M) and "ridge oracle" not in out.split("report:")[0][-800:], out[-2000:]
+    assert re.search(r"^\s*40\s+\d+\s+\S+ \(\S+\)$", out, re.M) and re.search(r"^\s*60\s+\d+\s+\S+ \(\S+\)$", out, re.M)
+    parent = re.search(r"MLflow parent run (\w{32}): (http://\S+)", out)
+    assert parent and parent.group(1) in parent.group(2) and "workflowType=machine_learning" in parent.group(2)
+    assert f"report: {tmp / 'sweep' / 'report.html'}" in out
+
+
+def test_runs_table_and_run_page_in_chromium(sweep, server, shots, tmp_path):
+    tmp, store, _ = sweep
+    import mlflow
+
+    client = mlflow.MlflowClient(tracking_uri=store)
+    experiment = client.get_experiment_by_name("noisyhead-icl")
+    assert experiment.tags.get("mlflow.experimentKind") == "custom_model_development"
+    dom = render(f"{server}/#/experiments/{experiment.experiment_id}/runs?workflowType=machine_learning",
+                 shots / "runs_table.png", tmp_path / "profile1")
+    text = visible_text(dom)
+    # the classic runs table of a machine-learning experiment, not GenAI's navigation
+    assert "Model registry" in text and "Evaluation runs" not in text and "Judges" not in text
+    assert "sweep lowdim (2 cells)" in text  # the sweep's parent run, by name
+    cell = json.loads((tmp / "sweep" / "1" / "cell.json").read_text())["run_id"]
+    dom = render(f"{server}/#/experiments/{experiment.experiment_id}/runs/{cell}?workflowType=machine_learning",
+                 shots / "cell_run.png", tmp_path / "profile2")
+    text = visible_text(dom)
+    assert "lowdim N=60" in text  # the run name carries the swept value
+    for shown in ("excess_risk.noisyhead", "regime.N", "eps"):  # short headline metric and params
+        assert shown in text, shown
+    assert png_size((shots / "runs_table.png").read_bytes()) == (1280, 800)
+
+
+def test_report_html_renders_with_its_figures(sweep, shots, tmp_path):
+    tmp, _, _ = sweep
+    page = tmp / "sweep" / "report.html"
+    dom = render(page.as_uri(), shots / "report.png", tmp_path / "profile3", wait_ms=2000)
+    text = visible_text(dom)
+    assert "sweep lowdim: 2 cells, B = 2" in text and "python -m pipeline" in text
+    runs = [json.loads((tmp / "sweep" / str(i) / "cell.json").read_text())["run_id"] for i in (0, 1)]
+    assert all(r in text for r in runs)
+    images = re.findall(r"src=\"data:image/png;base64,([^\"]+)\"", dom)
+    assert images, "no figure in report.html"
+    for data in images:  # every embedded figure is a PNG that decodes
+        assert png_size(base64.b64decode(data))[0] > 300
+    assert png_size((shots / "report.png").read_bytes()) == (1280, 800)

@@ -1,0 +1,106 @@
+"""What a researcher reads: the sweep's summary table and headline numbers, report.html, run names,
+the MLflow experiment type, results in grid order, dodged error bars (issue 14)."""
+
+import base64
+import math
+import re
+
+import mlflow
+import numpy as np
+import pandas as pd
+import pytest
+from omegaconf import OmegaConf
+
+from hydra_plugins.pipeline_sweeper.validating_sweeper import swept_keys
+from pipeline import cell, plot, report, sweep, tracking
+
+
+def rows(cells):
+    """results.csv-like rows: (N, eps, method, coupling, mean, sd)."""
+    return pd.DataFrame([{"N": N, "eps": eps, "T": 5, "attack_c": math.nan, "attack_p": math.nan, "method": m,
+                          "coupling": c, "excess_risk_mean": mean, "excess_risk_sd": sd}
+                         for N, eps, m, c, mean, sd in cells])
+
+
+def test_summary_table_keeps_grid_order_and_puts_methods_in_columns():
+    df = rows([(100, 0.5, "gd", "", 0.3, 0.01), (100, 0.5, "noisyhead", "", 2.0, 0.5),
+               (20, 0.5, "gd", "", 0.4, 0.02), (20, 0.5, "noisyhead", "", 3.0, 0.25)])
+    table = report.summary_table(df, "excess_risk", {"noisyhead": "NoisyHead"})
+    assert list(table.columns) == ["N", "gd", "NoisyHead"]  # eps and T do not vary: not shown
+    assert table["N"].tolist() == ["100", "20"]  # the order of the rows given, not sorted
+    assert table.loc[1, "NoisyHead"] == "3 (0.25)"
+    text = report.text_table(table).splitlines()
+    assert len(text) == 3 and text[0].split() == ["N", "gd", "NoisyHead"]
+
+
+def test_couplings_become_columns_and_headline_is_min_and_max_of_cell_means():
+    df = rows([(10, 1.0, "noisyhead", "independent", 0.5, 0.1), (10, 1.0, "noisyhead", "shared", 1e-9, 1e-10),
+               (10, 2.0, "noisyhead", "independent", 0.25, 0.1), (10, 2.0, "noisyhead", "shared", 4e-9, 1e-10),
+               (10, 1.0, "ridge", "none", 0.125, 0.0), (10, 2.0, "ridge", "none", 0.0625, 0.0)])
+    table = report.summary_table(df, "excess_risk", {})
+    assert list(table.columns) == ["eps", "noisyhead, independent noise", "noisyhead, shared noise", "ridge"]
+    h = report.headline(df, "excess_risk")
+    assert h == {"noisyhead.independent.best_excess_risk": 0.25, "noisyhead.independent.worst_excess_risk": 0.5,
+                 "noisyhead.shared.best_excess_risk": 1e-9, "noisyhead.shared.worst_excess_risk": 4e-9,
+                 "ridge.best_excess_risk": 0.0625, "ridge.worst_excess_risk": 0.125}
+
+
+def test_swept_keys_are_those_that_vary_and_cell_names_carry_them(cfg_for):
+    jobs = [["attack.c=2", "attack.p=2", "trials=20"], ["attack.c=2", "attack.p=2.02", "trials=20"],
+            ["attack.c=4", "attack.p=2", "trials=20"]]
+    assert swept_keys(jobs) == ["attack.c", "attack.p"]
+    assert report.grid(jobs) == {"attack.c": ["2", "4"], "attack.p": ["2", "2.02"], "trials": ["20"]}
+    cfg = cfg_for("experiment=fig4_robustness", "trials=3")
+    s = tracking.Sweep(id="x", dir="/tmp", resume=False, overrides=tuple(jobs[1]), swept=("attack.c", "attack.p"))
+    from pipeline import config
+    const = config.validate(cfg)
+    assert cell.cell_name(cfg, const, s) == "fig4_robustness c=2 p=2.02"
+    params = cell.headline_params(cfg, const, s)
+    assert params["attack.p"] == "2.02" and params["N"] == 5000 and params["eps"] == 0.5
+    assert params["alpha"] == pytest.approx(float(cfg.attack.c) * 5000 ** float(cfg.attack.p))
+    assert cell.cell_name(cfg, const, None) == "robustness N=5000 eps=0.5 T=8"
+
+
+def test_report_html_is_self_contained(tmp_path):
+    png = tmp_path / "excess_risk.png"
+    data = b"\x89PNG\r\n\x1a\n" + bytes(range(40))
+    png.write_bytes(data)
+    table = pd.DataFrame({"N": ["20"], "NoisyHead": ["3 (0.25)"]})
+    page = report.write_html(tmp_path / "report.html", "fig1 <sweep>", "python -m pipeline -m x=1,2", "a: 1\n",
+                             table, [png], [("regime.N=20", "abc123")])
+    html = page.read_text()
+    assert base64.b64encode(data).decode() in html and "fig1 &lt;sweep&gt;" in html
+    assert "abc123" in html and "3 (0.25)" in html and "python -m pipeline -m x=1,2" in html
+    assert not re.search(r"(src|href)=['\"](?!data:)", html)  # nothing loaded from elsewhere
+
+
+def test_collect_returns_cells_in_grid_order_not_folder_order(tmp_path):
+    jobs = [[f"regime.N={n}"] for n in range(20, 32)]  # job folders 0..11: lexicographic would put 10, 11 after 1
+    for i, job in enumerate(jobs):
+        (tmp_path / str(i)).mkdir()
+        tracking.write_record(tmp_path / str(i), {"run_id": f"r{i}", "status": "FINISHED", "sweep": "s",
+                                                  "overrides": job})
+    cells = sweep.collect(tmp_path, "s", jobs)
+    assert [r["run_id"] for r in cells.done] == [f"r{i}" for i in range(12)]
+
+
+def test_experiment_opens_as_a_machine_learning_experiment(tmp_path):
+    cfg = OmegaConf.create({"mlflow": {"tracking_uri": f"sqlite:///{tmp_path / 'm.db'}", "experiment": "e",
+                                       "experiment_kind": "custom_model_development"}})
+    try:
+        tracking.setup(cfg)
+        experiment = mlflow.MlflowClient().get_experiment_by_name("e")
+        assert experiment.tags[tracking.KIND_TAG] == "custom_model_development"
+    finally:
+        mlflow.set_tracking_uri("")
+
+
+def test_series_at_one_x_are_dodged_symmetrically():
+    x = pd.Series([100.0, 1000.0])
+    xs = np.array([100.0, 1000.0, 10000.0])
+    lin = [plot._dodged(x, i, 3, xs, log=False) for i in range(3)]
+    assert lin[0][0] < lin[1][0] == 100.0 < lin[2][0] and lin[1][0] - lin[0][0] == pytest.approx(lin[2][0] - lin[1][0])
+    assert lin[2][0] - lin[0][0] < 900  # within the gap to the next x
+    log = [plot._dodged(x, i, 2, xs, log=True) for i in range(2)]
+    assert log[0][1] / 1000 == pytest.approx(1000 / log[1][1]) and log[0][1] < 1000 < log[1][1]
+    assert (plot._dodged(x, 0, 1, xs, log=False) == x.to_numpy()).all()
