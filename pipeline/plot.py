@@ -109,6 +109,10 @@ def figure(df: pd.DataFrame, spec: DictConfig, path: Path, labels: dict[str, str
     palette = sns.color_palette("viridis" if hue else "tab10", df[key].nunique())
     values = sorted(df[key].unique())
     colors = dict(zip(values, palette))
+    for name, colour in (spec.get("colors") or {}).items():  # a preset's colours, by method name or legend text
+        for series in (name, labels.get(name, name)):
+            if series in colors:
+                colors[series] = colour
     xlog = x == "N" and df[x].nunique() > 2 and df[x].max() / max(df[x].min(), 1e-300) >= 20
     for ax, panel in zip(axes[0], panels):
         sub = df if panel is None else df[df[facet] == panel]

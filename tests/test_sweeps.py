@@ -180,3 +180,14 @@ def test_sigterm_stops_a_joblib_sweep_its_workers_and_its_runs(tmp_path):
     assert not [(pid, open(f"/proc/{pid}/cmdline").read()) for pid in workers if _alive(pid)]
     _, found = all_runs(store)
     assert [r.info.status for r in found] == ["KILLED", "KILLED"]
+
+
+@pytest.mark.parametrize("sweep_id", ["6e123456", "00001234"])
+def test_a_sweep_id_that_looks_like_a_number_still_matches_its_cells(run_cli, sweep_id):
+    """A random hex id such as 6e123456 (about 3% of them) once reached the cells as the float inf,
+    so the sweep found none of its cells and reported every one failed."""
+    proc = run_cli(*TINY, "regime.N=40,60", f"hydra.sweeper.sweep_id='{sweep_id}'", "-m")
+    results = pd.read_csv(run_cli.tmp / "sweep" / "results.csv")
+    assert sorted(results["N"].unique()) == [40, 60], proc.stderr[-2000:]
+    records = [json.loads(p.read_text()) for p in (run_cli.tmp / "sweep").glob("*/cell.json")]
+    assert [r["sweep"] for r in records] == [sweep_id, sweep_id]

@@ -18,7 +18,6 @@ It lives in ``hydra_plugins`` because Hydra only loads sweepers from there.
 """
 
 import logging
-import re
 import sys
 import time
 from dataclasses import dataclass, field
@@ -52,9 +51,9 @@ ConfigStore.instance().store(group="hydra/sweeper", name="validating", node=Vali
 
 
 def _quote(value: str) -> str:
-    """A value as a Hydra override can carry it."""
-    if re.fullmatch(r"[\w./~+-]+", value):
-        return value
+    """A value as a Hydra override carries it, always quoted: unquoted, Hydra would parse a random
+    id such as ``6e123456`` as a float (inf) and ``00001234`` as an int, and the cells' records
+    would no longer match their sweep."""
     return "'" + value.replace("\\", "\\\\").replace("'", "\\'") + "'"
 
 
@@ -103,7 +102,7 @@ class ValidatingSweeper(BasicSweeper):
         swept = swept_keys(jobs)
         with read_write(self.config.hydra), open_dict(self.config.hydra):
             self.config.hydra.overrides.hydra.extend(
-                [f"hydra.sweeper.sweep_id={self.sweep_id}", f"hydra.sweep.dir={_quote(str(sweep_dir))}",
+                [f"hydra.sweeper.sweep_id={_quote(self.sweep_id)}", f"hydra.sweep.dir={_quote(str(sweep_dir))}",
                  f"hydra.sweeper.swept=[{','.join(_quote(k) for k in swept)}]",
                  f"hydra.sweeper.cells={len(jobs)}", f"hydra.sweeper.started={time.time():.3f}"])
 
