@@ -43,6 +43,7 @@ def test_dvc_repro_builds_every_artifact_and_then_does_nothing(tmp_path):
     for stage in STAGES:
         out = repo / "artifacts" / stage
         assert (out / "results.csv").stat().st_size > 0, stage
+        assert "<img" in (out / "report.html").read_text(), stage  # the sweep's report, figures embedded
         metrics = json.loads((out / "metrics.json").read_text())
         assert metrics["trials"] == 2 and metrics["cells"] >= 1, stage
     assert (repo / "artifacts/table1/table.md").is_file()
