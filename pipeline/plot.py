@@ -143,10 +143,7 @@ def figure(df: pd.DataFrame, spec: DictConfig, path: Path, labels: dict[str, str
     if spec.title:  # wrapped to the figure's width (about 12 characters an inch at 10 pt)
         fig.suptitle(textwrap.fill(str(spec.title), int(12 * 5.0 * len(panels))), fontsize=10)
     fig.tight_layout(rect=(0, 0.06 * rows + 0.02, 1, 1))  # tight_layout leaves room for the suptitle
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=130)
-    plt.close(fig)
-    return path
+    return save(fig, path)
 
 
 def audit_histogram(s_canary: np.ndarray, s_neighbour: np.ndarray, bound, row: dict, path: Path) -> Path:
@@ -165,10 +162,7 @@ def audit_histogram(s_canary: np.ndarray, s_neighbour: np.ndarray, bound, row: d
                  f"{row['verdict']}", fontsize=9)
     ax.legend(fontsize=8)
     fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=130)
-    plt.close(fig)
-    return path
+    return save(fig, path)
 
 
 def table(df: pd.DataFrame, rows: list[str], values: str | list[str],
@@ -197,3 +191,11 @@ def table(df: pd.DataFrame, rows: list[str], values: str | list[str],
     else:
         wide.columns = [f"{m}_{stat}" for stat, m in wide.columns]
     return wide.reset_index(), "\n".join(lines).lstrip("\n") + "\n"
+
+
+def save(fig, path: Path, dpi: int = 130) -> Path:
+    """Write ``fig`` as a PNG (its folder created) and close it: every figure of both tasks."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=dpi)
+    plt.close(fig)
+    return path

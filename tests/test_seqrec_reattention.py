@@ -12,13 +12,7 @@ from omegaconf import OmegaConf
 from pipeline.seqrec import models, reattention as ra
 from pipeline.seqrec.clipping.phantom import Phantom
 
-M, L = 7, 6
-ROWS = torch.tensor([[0, 0, 1, 2, 1, 3, 4],
-                     [0, 0, 0, 0, 4, 4, 5],
-                     [5, 6, 7, 1, 2, 3, 3],
-                     [0, 0, 0, 0, 0, 2, 1],
-                     [3, 3, 3, 3, 3, 3, 7]])
-IDS, TARGETS = ROWS[:, :-1], ROWS[:, 1:]
+from test_seqrec_clipping import IDS, ROWS, TARGETS, L, M  # the clipping tests' users: repeats, padding, shared items
 
 
 def build(reattention=True, blocks=2, dropout=0.0, d=8, seed=1):

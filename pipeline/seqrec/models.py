@@ -120,7 +120,9 @@ class Transformer(SeqModel):
         nn.init.normal_(self.positions.weight, std=init_std)
         self.blocks = nn.ModuleList(Block(d, heads, d_ff, dropout) for _ in range(blocks))
 
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+    def inputs(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The first block's input (items + positions, dropout applied), the item mask and the
+        attention mask (causal, padding keys masked; a query always sees itself)."""
         n, T = ids.shape
         x, mask = self.embed(ids)
         # right-aligned positions (the last input is position max_len - 1); a contiguous index
@@ -130,6 +132,10 @@ class Transformer(SeqModel):
         x = self.drop(x + self.positions(pos))
         causal = torch.ones(T, T, dtype=torch.bool, device=ids.device).tril()
         allowed = causal & (mask[:, None, :] | torch.eye(T, dtype=torch.bool, device=ids.device))
+        return x, mask, allowed
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x, _, allowed = self.inputs(ids)
         for block in self.blocks:
             x = block(x, allowed)
         return self.scores(x)

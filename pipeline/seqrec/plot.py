@@ -10,6 +10,8 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import pandas as pd  # noqa: E402
 
+from pipeline.plot import save  # noqa: E402
+
 
 def curves(history, path: Path, title: str = "", k: int = 10) -> Path:
     """Training loss per epoch, and validation NDCG@k / HIT@k at the evaluated epochs."""
@@ -28,10 +30,7 @@ def curves(history, path: Path, title: str = "", k: int = 10) -> Path:
     ax2.grid(alpha=0.3)
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return save(fig, path, dpi=120)
 
 
 def sweep_figure(results: pd.DataFrame, path: Path, k: int = 10) -> Path:
@@ -54,7 +53,4 @@ def sweep_figure(results: pd.DataFrame, path: Path, k: int = 10) -> Path:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
     fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return save(fig, path, dpi=120)

@@ -154,13 +154,7 @@ class DPFormer(Transformer):
         "att": the corrected attention weights}, both (n, h, T, T)."""
         if not self.active:
             return super().forward(ids)
-        n, T = ids.shape
-        x, mask = self.embed(ids)
-        pos = torch.arange(self.positions.num_embeddings - T, self.positions.num_embeddings,
-                           device=ids.device).repeat(n, 1)
-        x = self.drop(x + self.positions(pos))
-        causal = torch.ones(T, T, dtype=torch.bool, device=ids.device).tril()
-        allowed = causal & (mask[:, None, :] | torch.eye(T, dtype=torch.bool, device=ids.device))
+        x, mask, allowed = self.inputs(ids)
         with torch.no_grad():
             e2 = self.item_err.to(x.dtype)[ids] ** 2 * mask
             var = (e2 + self.block_err ** 2)[..., None].expand_as(x).clone()
