@@ -22,7 +22,7 @@ from typing import Sequence
 import pandas as pd
 from omegaconf import DictConfig, OmegaConf
 
-from pipeline import cell, plot, tracking
+from pipeline import plot, tracking
 from pipeline import report as reporting
 
 log = logging.getLogger(__name__)
@@ -79,12 +79,13 @@ def summarise(config: DictConfig, sweep_id: str, sweep_dir: Path, cells: Cells) 
     results = pd.concat([pd.read_csv(Path(r["folder"]) / "results.csv") for r in cells.done], ignore_index=True)
     csv = sweep_dir / "results.csv"
     results.to_csv(csv, index=False)
-    if config.get("task", "noisyhead") == "seqrec":
-        from pipeline.seqrec.cell import sweep_artifacts
+    if config.get("task", "noisyhead") == "seqrec":  # the next-item task writes its own tables and figures
+        from pipeline.seqrec import sweep as seqrec_sweep
 
-        artifacts = [str(csv), *sweep_artifacts(results, sweep_dir)]
-        _finish(config, sweep_id, sweep_dir, cells, artifacts, {"task": "seqrec"})
+        seqrec_sweep.summarise(config, sweep_id, sweep_dir, cells, results, csv)
         return
+    from pipeline import cell  # NoisyHead's cell (imported here: a next-item sweep never loads it)
+
     figs = plot.figures(results, config.plot, sweep_dir, labels=cell.method_labels(config))
     artifacts = [str(csv), *map(str, figs)]
     if config.report.table:
@@ -106,20 +107,11 @@ def summarise(config: DictConfig, sweep_id: str, sweep_dir: Path, cells: Cells) 
     page = reporting.write_html(sweep_dir / "report.html", f"{name}: {len(cells.done)} cells, B = {config.trials}",
                                 command(), config_yaml, table, figs, runs)
     artifacts.append(str(page))
-    tracking.setup(config)
-    grid = reporting.grid(overrides)
-    params = {"cells": len(cells.done), "task": "noisyhead", "regime": config.regime.name, "sweep_dir": str(sweep_dir),
-              "B": config.trials, "measure": y,
-              "grid": "; ".join(f"{k}={','.join(v)}" for k, v in grid.items() if len(v) > 1)[:6000] or "-",
-              "command": command()[:6000]}
-    tags = {tracking.SWEEP_DIR_TAG: str(Path(sweep_dir).resolve())}
-    if cells.failed:
-        params["failed_cells"] = "; ".join(cells.failed)[:6000]
-        tags["failed_cells"] = str(len(cells.failed))
-    parent = tracking.finish_sweep(sweep_id, f"{name} ({len(cells.done)} cells)", artifacts, params,
-                                   [r["run_id"] for r in cells.done], tags, reporting.headline(results, y),
-                                   f"{y.replace('_', ' ')}, mean (sd) across B = {config.trials} trials\n\n"
-                                   + reporting.markdown_table(table))
+    parent = parent_run(config, sweep_id, sweep_dir, cells, f"{name} ({len(cells.done)} cells)", artifacts,
+                        {"regime": config.regime.name, "B": config.trials, "measure": y},
+                        reporting.headline(results, y),
+                        f"{y.replace('_', ' ')}, mean (sd) across B = {config.trials} trials\n\n"
+                        + reporting.markdown_table(table))
     if config.report.dir:  # after the parent run: a report that cannot be written loses nothing else
         report(results, config, artifacts)
     print(f"\n{name}: {y.replace('_', ' ')}, mean (sd) across B = {config.trials} trials\n"
@@ -133,15 +125,19 @@ def command() -> str:
     return "python -m pipeline " + " ".join(shlex.quote(a) for a in sys.argv[1:])
 
 
-def _finish(config: DictConfig, sweep_id: str, sweep_dir: Path, cells: Cells, artifacts: list[str],
-            params: dict) -> None:
-    """The sweep's parent run: its artifacts, the cells that finished attached, the failed ones named."""
+def parent_run(config: DictConfig, sweep_id: str, sweep_dir: Path, cells: Cells, name: str, artifacts: list[str],
+               params: dict, metrics: dict | None = None, description: str | None = None) -> str:
+    """The sweep's parent run (either task): its artifacts, the cells that finished attached, the
+    grid and command as params, the failed cells named; returns its run id."""
     tracking.setup(config)
-    task = config.get("task", "noisyhead")
-    name = config.get("experiment_name") or f"sweep {params.get('regime', task)}"
-    params = {"cells": len(cells.done), "task": task, "sweep_dir": str(sweep_dir)} | params
+    grid = reporting.grid([r.get("overrides") or [] for r in cells.done])
+    params = {"cells": len(cells.done), "task": config.get("task", "noisyhead"), "sweep_dir": str(sweep_dir),
+              **params,
+              "grid": "; ".join(f"{k}={','.join(v)}" for k, v in grid.items() if len(v) > 1)[:6000] or "-",
+              "command": command()[:6000]}
     tags = {tracking.SWEEP_DIR_TAG: str(Path(sweep_dir).resolve())}
     if cells.failed:
         params["failed_cells"] = "; ".join(cells.failed)[:6000]
         tags["failed_cells"] = str(len(cells.failed))
-    tracking.finish_sweep(sweep_id, name, artifacts, params, [r["run_id"] for r in cells.done], tags)
+    return tracking.finish_sweep(sweep_id, name, artifacts, params, [r["run_id"] for r in cells.done], tags,
+                                 metrics, description)

@@ -10,10 +10,12 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 ARCHIVE = ROOT.parent / "shared" / "data" / "20news-bydate.tar.gz"
+AMAZON = ROOT.parent / "shared" / "data" / "amazon-games-sasrec.txt"
 STAGES = ("fig1", "fig2", "fig3", "fig4", "fig5", "table1", "fig6", "beyond_lowdim", "beyond_highdim")
+DPFORMER = ("dpformer_fig2", "dpformer_table1", "dpformer_fig7", "dpformer_table2")
 
-pytestmark = pytest.mark.skipif(shutil.which("dvc") is None or not ARCHIVE.is_file(),
-                                reason="needs dvc and ../shared/data/20news-bydate.tar.gz")
+pytestmark = pytest.mark.skipif(shutil.which("dvc") is None or not ARCHIVE.is_file() or not AMAZON.is_file(),
+                                reason="needs dvc, ../shared/data/20news-bydate.tar.gz and amazon-games-sasrec.txt")
 
 
 def run(cmd, cwd):
@@ -33,6 +35,9 @@ def test_dvc_repro_builds_every_artifact_and_then_does_nothing(tmp_path):
     (repo / "params.yaml").write_text(
         f"trials: 2\nnewsgroups_trials: 2\narchive: {ARCHIVE}\n"
         "extra: dataset.n_test=8 compute.chunk_trials=2 mlflow.tracking_uri=sqlite:///mlflow.db\n"
+        f"amazon: {AMAZON}\ndpformer_synthetic_data: synthetic_longtail_tiny\ndpformer_amazon_data: amazon_games_tiny\n"
+        "dpformer_jobs: 2\ndpformer_extra: seed=0 seqrec.epochs=1 model.d=8 model.d_ff=16 "
+        "mlflow.tracking_uri=sqlite:///mlflow.db\n"
     )
     run(["git", "init", "-q"], repo)
     run(["git", "-c", "user.name=ci", "-c", "user.email=ci@example.org", "add", "-A"], repo)
@@ -47,6 +52,17 @@ def test_dvc_repro_builds_every_artifact_and_then_does_nothing(tmp_path):
         metrics = json.loads((out / "metrics.json").read_text())
         assert metrics["trials"] == 2 and metrics["cells"] >= 1, stage
     assert (repo / "artifacts/table1/table.md").is_file()
+    for stage in DPFORMER:  # the DPFormer paper's tables and figures (one seed, one epoch here)
+        out = repo / "artifacts" / stage
+        assert "<img" in (out / "report.html").read_text(), stage
+        assert "| transformer |" in (out / "table.md").read_text(), stage
+        assert json.loads((out / "metrics.json").read_text())["cells"] >= 2, stage
+        assert (out / "curves.png").stat().st_size > 0, stage
+    for grid in ("dpformer_fig2", "dpformer_fig7"):  # the setting selected on validation, read by the tables
+        assert (repo / "artifacts" / grid / "selected.txt").read_text().startswith("seqrec.lr="), grid
+    table1 = (repo / "artifacts/dpformer_table1/results.csv").read_text()
+    assert "attention_relevant" in table1 and "eps" in table1
+    assert "non-private" in (repo / "artifacts/dpformer_table2/nonprivate/table.md").read_text()
     assert (repo / "artifacts/fig4/attack_risk.png").is_file()
     second = run(["dvc", "repro"], repo)
     assert "Running stage" not in second, second

@@ -5,7 +5,8 @@ noise multiplier ``train.sigma`` and ``train.eps_spent``, the eps Opacus's accou
 that noise). Step metrics (one per epoch): ``train.loss``, ``train.mean_grad_norm``,
 ``evaluate.valid_ndcg10``, ``evaluate.valid_hit10``. Final metrics: ``evaluate.<method>.<split>_ndcg10``
 and ``_hit10`` for the model, ``popular`` and (synthetic data) ``oracle``. Artifacts:
-``results.csv``, ``curves.png``, ``config.yaml``.
+``results.csv``, ``history.csv`` (loss, mean gradient norm and validation metrics per epoch),
+``curves.png``, ``config.yaml``.
 """
 
 from __future__ import annotations
@@ -91,16 +92,13 @@ def run(cfg: DictConfig) -> Path:
         out.mkdir(parents=True, exist_ok=True)
         csv = out / "results.csv"
         results.to_csv(csv, index=False)
+        curves = out / "history.csv"
+        history.frame().to_csv(curves, index=False)
         fig = plot.curves(history, out / "curves.png", title=name, k=k)
-        mlflow.log_artifact(str(csv))
-        mlflow.log_artifact(str(fig))
+        for path in (csv, curves, fig):
+            mlflow.log_artifact(str(path))
         tracking.log_metrics("cell", {"seconds": time.perf_counter() - start})
     job.finished(active.info.run_id)
     shown = results[["method", "split", f"ndcg{k}", f"hit{k}"]].to_string(index=False, float_format="%.3f")
     log.info("%s (sigma = %.4g, eps spent = %.4g)\n%s", name, run_plan.sigma, run_plan.eps_spent, shown)
     return csv
-
-
-def sweep_artifacts(results: pd.DataFrame, sweep_dir: Path) -> list[str]:
-    """A sweep's figure of test metrics against eps (the concatenated results.csv is written by the caller)."""
-    return [str(plot.sweep_figure(results, sweep_dir / "test_metrics.png"))]

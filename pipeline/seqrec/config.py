@@ -98,4 +98,8 @@ def validate(cfg: DictConfig) -> None:
     _choice(ds.get("name"), "dataset.name", data.DATASETS)
     data.check_L(ds.get("L"))
     if ds.name in ("amazon_games", "movielens"):
+        for key in ("max_items", "k_core"):
+            value = ds.get(key)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ConfigError(f"dataset.{key} must be a positive integer or null, got {value!r}")
         data.resolve(ds.get("path"))  # a missing file is refused here, before any run

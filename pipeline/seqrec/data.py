@@ -195,6 +195,18 @@ def k_core(users: np.ndarray, items: np.ndarray, k: int):
         keep &= ~drop
 
 
+def most_popular(users: np.ndarray, items: np.ndarray, top: int):
+    """Keep only the interactions with the ``top`` most frequent items (ties: the smaller id);
+    order-preserving. A CPU-scale reduction of the item catalogue (the item count M sets the cost
+    of every full-softmax step)."""
+    counts = np.bincount(items)
+    rank = np.lexsort((np.arange(len(counts)), -counts))  # most frequent first
+    keep = np.zeros(len(counts), dtype=bool)
+    keep[rank[:top]] = True
+    m = keep[items]
+    return users[m], items[m]
+
+
 def reindex(users: np.ndarray, items: np.ndarray):
     """Dense ids: users 0..U-1 and items 1..M, both in increasing order of the original ids."""
     _, u = np.unique(users, return_inverse=True)
@@ -249,6 +261,11 @@ def load_file(dataset_cfg, L: int) -> Sequences:
     path = resolve(dataset_cfg.get("path"))
     users, items, times = read_interactions(path, dataset_cfg.get("format", "auto"))
     users, items = time_order(users, items, times)
+    top = dataset_cfg.get("max_items")
+    if top is not None:
+        if isinstance(top, bool) or not isinstance(top, int) or top < 1:
+            raise ConfigError(f"dataset.max_items must be a positive integer or null, got {top!r}")
+        users, items = most_popular(users, items, top)
     k = dataset_cfg.get("k_core")
     if k is not None:
         if isinstance(k, bool) or not isinstance(k, int) or k < 1:

@@ -1,12 +1,13 @@
 """The evaluate step: NDCG@k and HIT@k (%) of the held-out item among all M items (full ranking,
 ``pipeline/seqrec/metrics.py``), for the trained model, the most-popular-item baseline and, on
-synthetic data, the oracle that knows the generator."""
+synthetic data, the oracle that knows the generator; on synthetic data also the attention mass on
+the positions that drove the test target (``pipeline/seqrec/attention.py``)."""
 
 from __future__ import annotations
 
 import torch
 
-from pipeline.seqrec import metrics
+from pipeline.seqrec import attention, metrics
 
 
 @torch.no_grad()
@@ -44,8 +45,10 @@ def run(model, seqs, cfg) -> list[dict]:
     rows = []
     for split, inputs, target in (("valid", seqs.valid_input, seqs.valid_target),
                                   ("test", seqs.test_input, seqs.test_target)):
-        rows.append({"method": cfg.model.name, "split": split,
-                     **model_metrics(model, inputs, target, k=k, batch=batch)})
+        row = {"method": cfg.model.name, "split": split, **model_metrics(model, inputs, target, k=k, batch=batch)}
+        if split == "test" and seqs.relevant is not None:
+            row |= attention.relevant_mass(model, inputs, seqs.relevant, batch=batch)
+        rows.append(row)
         rows.append({"method": "popular", "split": split, **popular_metrics(seqs, target, k=k)})
     if seqs.best:
         best = {key.lower().replace("@", ""): v for key, v in seqs.best.items()}

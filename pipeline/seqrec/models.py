@@ -51,19 +51,28 @@ class CausalSelfAttention(nn.Module):
         self.q, self.k, self.v, self.out = (nn.Linear(d, d) for _ in range(4))
         self.drop = nn.Dropout(dropout)
 
-    def forward(self, x: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
-        n, T, d = x.shape
-        h = self.heads
+    def split(self, t: torch.Tensor) -> torch.Tensor:
+        """(n, T, d) -> (n, h, T, d / h)."""
+        n, T, d = t.shape
+        return t.view(n, T, self.heads, d // self.heads).transpose(1, 2)
 
-        def split(t):
-            return t.view(n, T, h, d // h).transpose(1, 2)
+    def merge(self, t: torch.Tensor) -> torch.Tensor:
+        """(n, h, T, d / h) -> (n, T, d)."""
+        n, h, T, dh = t.shape
+        return t.transpose(1, 2).reshape(n, T, h * dh)
 
-        q, k, v = split(self.q(x)), split(self.k(x)), split(self.v(x))
-        scores = q @ k.transpose(-1, -2) / math.sqrt(d // h)
-        scores = scores.masked_fill(~allowed[:, None], float("-inf"))
-        att = self.drop(torch.softmax(scores, dim=-1))
-        y = (att @ v).transpose(1, 2).reshape(n, T, d)
-        return self.out(y)
+    def logits(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Queries, values and the scaled scores <q_t, k_i> / sqrt(d / h), unmasked: (n, h, T, .)."""
+        q, k, v = self.split(self.q(x)), self.split(self.k(x)), self.split(self.v(x))
+        return q, v, q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])
+
+    def forward(self, x: torch.Tensor, allowed: torch.Tensor, record: list | None = None) -> torch.Tensor:
+        """``record``, if a list, receives {"att": the attention weights (n, h, T, T)} (before dropout)."""
+        _, v, scores = self.logits(x)
+        att = torch.softmax(scores.masked_fill(~allowed[:, None], float("-inf")), dim=-1)
+        if record is not None:
+            record.append({"att": att.detach()})
+        return self.out(self.merge(self.drop(att) @ v))
 
 
 class Block(nn.Module):
@@ -76,8 +85,8 @@ class Block(nn.Module):
         self.ff1, self.ff2 = nn.Linear(d, d_ff), nn.Linear(d_ff, d)
         self.drop = nn.Dropout(dropout)
 
-    def forward(self, x, allowed):
-        x = self.ln1(x + self.drop(self.attn(x, allowed)))
+    def forward(self, x, allowed, record: list | None = None):
+        x = self.ln1(x + self.drop(self.attn(x, allowed, record)))
         return self.ln2(x + self.drop(self.ff2(self.drop(F.relu(self.ff1(x))))))
 
 
@@ -134,10 +143,11 @@ class Transformer(SeqModel):
         allowed = causal & (mask[:, None, :] | torch.eye(T, dtype=torch.bool, device=ids.device))
         return x, mask, allowed
 
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+    def forward(self, ids: torch.Tensor, *, record: list | None = None) -> torch.Tensor:
+        """Scores (n, T, M); ``record``, if a list, receives each block's attention weights."""
         x, _, allowed = self.inputs(ids)
         for block in self.blocks:
-            x = block(x, allowed)
+            x = block(x, allowed, record)
         return self.scores(x)
 
 

@@ -8,6 +8,7 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 
 from pipeline.plot import save  # noqa: E402
@@ -52,5 +53,90 @@ def sweep_figure(results: pd.DataFrame, path: Path, k: int = 10) -> Path:
         ax.set_ylabel(f"test {label} (%)")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
+    fig.tight_layout()
+    return save(fig, path, dpi=120)
+
+
+def _eps_text(eps: float) -> str:
+    return "non-private" if eps == float("inf") else f"ε = {eps:g}"
+
+
+def _name(method: str, clipping: str) -> str:
+    return f"{method} (non-private)" if clipping == "none" else method
+
+
+def curves_figure(curves: pd.DataFrame, path: Path, k: int = 10) -> Path:
+    """Figure 6: validation NDCG@k and HIT@k per epoch, mean and a +-1 sd band over seeds, one line
+    per model; one column of panels per eps."""
+    eps = sorted(curves["eps"].unique())
+    fig, axes = plt.subplots(2, len(eps), figsize=(4.2 * len(eps), 6.4), squeeze=False, sharex=True)
+    for j, e in enumerate(eps):
+        sub = curves[curves["eps"] == e]
+        for i, (key, label) in enumerate(((f"ndcg{k}", f"NDCG@{k}"), (f"hit{k}", f"HIT@{k}"))):
+            ax = axes[i, j]
+            for (method, clip, lr, bs), g in sub.groupby(["method", "clipping", "lr", "batch_size"], sort=False):
+                stats = g.dropna(subset=[key]).groupby("epoch")[key].agg(["mean", "std", "count"])
+                line, = ax.plot(stats.index, stats["mean"], marker="o", ms=2.5, label=_name(method, clip))
+                sd = stats["std"].fillna(0)
+                ax.fill_between(stats.index, stats["mean"] - sd, stats["mean"] + sd, color=line.get_color(), alpha=0.2)
+            ax.set_ylabel(f"validation {label} (%)")
+            ax.grid(alpha=0.3)
+            if i == 0:
+                ax.set_title(_eps_text(e), fontsize=10)
+            else:
+                ax.set_xlabel("epoch")
+    handles, labels = axes[0, 0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=min(len(labels), 5), fontsize=8, frameon=False)
+    fig.suptitle("Validation metrics per epoch (mean ± 1 sd over seeds)", fontsize=10)
+    fig.tight_layout(rect=(0, 0.06, 1, 1))
+    return save(fig, path, dpi=120)
+
+
+def grid_figure(results: pd.DataFrame, path: Path, k: int = 10) -> Path:
+    """Figures 2 and 7: mean validation and test NDCG@k over the (learning rate, batch size) grid,
+    one column of heatmaps per (model, eps); the setting selected on validation boxed."""
+    cells = results[~results["method"].isin(["popular", "oracle"])]
+    groups = list(cells.groupby(["method", "clipping", "eps"], sort=False))
+    fig, axes = plt.subplots(2, len(groups), figsize=(3.6 * len(groups), 6.2), squeeze=False)
+    for j, ((method, clip, eps), g) in enumerate(groups):
+        for i, split in enumerate(("valid", "test")):
+            ax = axes[i, j]
+            m = g[g["split"] == split].pivot_table(index="batch_size", columns="lr", values=f"ndcg{k}", aggfunc="mean")
+            im = ax.imshow(m.values, cmap="viridis", aspect="auto", origin="lower")
+            for (r, c), v in np.ndenumerate(m.values):
+                ax.text(c, r, f"{v:.2f}", ha="center", va="center", fontsize=7, color="w" if v < np.nanmean(m.values) else "k")
+            if split == "valid":
+                r, c = np.unravel_index(np.nanargmax(m.values), m.shape)
+                ax.add_patch(plt.Rectangle((c - 0.5, r - 0.5), 1, 1, fill=False, ec="red", lw=2))
+            ax.set_xticks(range(m.shape[1]), [f"{v:g}" for v in m.columns], fontsize=7)
+            ax.set_yticks(range(m.shape[0]), [f"{int(v)}" for v in m.index], fontsize=7)
+            ax.set_xlabel("learning rate")
+            ax.set_ylabel("batch size B")
+            ax.set_title(f"{_name(method, clip)}, {_eps_text(eps)}\n{split} NDCG@{k} (%)", fontsize=9)
+            bar = fig.colorbar(im, ax=ax, shrink=0.8)
+            bar.formatter.set_useOffset(False)
+            bar.update_ticks()
+    fig.tight_layout()
+    return save(fig, path, dpi=120)
+
+
+def attention_figure(results: pd.DataFrame, path: Path) -> Path:
+    """Attention distraction: the last block's attention mass on the positions that drove the test
+    target, against eps (non-private at the right), mean and +-1 sd over seeds; chance dashed."""
+    test = results[(results["split"] == "test") & results["attention_relevant"].notna()]
+    eps = sorted(test["eps"].unique())
+    where = {e: i for i, e in enumerate(eps)}
+    fig, ax = plt.subplots(figsize=(6, 3.8))
+    for (method, clip), g in test.groupby(["method", "clipping"], sort=False):
+        s = g.groupby("eps")["attention_relevant"].agg(["mean", "std"])
+        ax.errorbar([where[e] for e in s.index], s["mean"], yerr=s["std"].fillna(0), marker="o", capsize=3,
+                    label=_name(method, clip))
+    chance = test.groupby("eps")["attention_uniform"].mean()
+    ax.plot([where[e] for e in chance.index], chance.values, ls="--", color="grey", label="uniform attention")
+    ax.set_xticks(range(len(eps)), ["∞" if e == float("inf") else f"{e:g}" for e in eps])
+    ax.set_xlabel("ε")
+    ax.set_ylabel("attention mass on relevant positions")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.18), ncol=4, frameon=False)
     fig.tight_layout()
     return save(fig, path, dpi=120)

@@ -153,7 +153,7 @@ class DPFormer(Transformer):
         """Scores (n, T, M); ``record``, if a list, receives per block {"var": the logit variances,
         "att": the corrected attention weights}, both (n, h, T, T)."""
         if not self.active:
-            return super().forward(ids)
+            return super().forward(ids, record=record)
         x, mask, allowed = self.inputs(ids)
         with torch.no_grad():
             e2 = self.item_err.to(x.dtype)[ids] ** 2 * mask
@@ -177,14 +177,7 @@ class DPFormer(Transformer):
 
     def _block(self, block, x, var, allowed, record):
         attn, err = block.attn, self.block_err
-        n, T, d = x.shape
-        h = attn.heads
-
-        def split(t):
-            return t.view(n, T, h, d // h).transpose(1, 2)
-
-        q, k, v = split(attn.q(x)), split(attn.k(x)), split(attn.v(x))
-        scores = q @ k.transpose(-1, -2) / math.sqrt(d // h)
+        q, v, scores = attn.logits(x)
         with torch.no_grad():
             lv = self.logit_var(attn, x.detach(), var, q.detach())
         scores = (scores - lv / 2).masked_fill(~allowed[:, None], float("-inf"))
@@ -192,7 +185,7 @@ class DPFormer(Transformer):
         if record is not None:
             record.append({"var": lv, "att": att.detach()})
         att = attn.drop(att)
-        y = (att @ v).transpose(1, 2).reshape(n, T, d)
+        y = attn.merge(att @ v)
         a_out = attn.out(y)
         r = x + block.drop(a_out)
         x1 = block.ln1(r)
@@ -203,8 +196,8 @@ class DPFormer(Transformer):
         out = block.ln2(r2)
         with torch.no_grad():
             xd = x.detach()
-            var_v = split(linear_var(xd, var, attn.v.weight, err, True))
-            var_y = ((att.detach() ** 2) @ var_v).transpose(1, 2).reshape(n, T, d)
+            var_v = attn.split(linear_var(xd, var, attn.v.weight, err, True))
+            var_y = attn.merge((att.detach() ** 2) @ var_v)
             var_r = var + linear_var(y.detach(), var_y, attn.out.weight, err, True)
             var_1 = _layer_norm_var(block.ln1, r.detach(), var_r, err)
             var_pre = linear_var(x1.detach(), var_1, block.ff1.weight, err, True)

@@ -18,8 +18,10 @@ import math
 from dataclasses import dataclass, field
 from typing import Callable
 
+import pandas as pd
 import torch
 from omegaconf import OmegaConf
+from tqdm import tqdm
 
 from pipeline import privacy
 from pipeline.seqrec import clipping, models, reattention
@@ -108,6 +110,13 @@ class History:
     mean_norm: list[float] = field(default_factory=list)
     valid: list[dict] = field(default_factory=list)  # {epoch, NDCG@k, HIT@k}
 
+    def frame(self) -> pd.DataFrame:
+        """One row per epoch: loss, mean_norm and the validation metrics (NaN where not evaluated)."""
+        df = pd.DataFrame({"epoch": self.epoch, "loss": self.loss, "mean_norm": self.mean_norm})
+        if self.valid:
+            df = df.merge(pd.DataFrame(self.valid), on="epoch", how="left")
+        return df
+
 
 def run(seqs, cfg, run_plan: Plan, on_epoch: Callable[[int, dict], None] | None = None,
         validate: Callable[[torch.nn.Module], dict] | None = None):
@@ -126,10 +135,13 @@ def run(seqs, cfg, run_plan: Plan, on_epoch: Callable[[int, dict], None] | None 
     C = float(cfg.clipping.C)
     history = History()
     rows = seqs.train
+    bar = tqdm(total=run_plan.steps, desc="train", unit="step", leave=False, disable=None)  # quiet off a terminal
     for epoch in range(1, int(train.epochs) + 1):
         model.train()
         loss_sum, users, norm_sum = 0.0, 0, 0.0
+        bar.set_postfix_str(f"epoch {epoch}/{train.epochs}", refresh=False)
         for _ in range(run_plan.steps_per_epoch):
+            bar.update()
             pick = (torch.rand(run_plan.n_users, generator=gen) < run_plan.sample_rate).nonzero().squeeze(1)
             batch = rows[pick]
             losses, norms = noisy_gradient(engine, model, batch[:, :-1], batch[:, 1:], sigma=run_plan.sigma, C=C,
@@ -152,4 +164,5 @@ def run(seqs, cfg, run_plan: Plan, on_epoch: Callable[[int, dict], None] | None 
             metrics.update({f"valid_{k}": v for k, v in found.items()})
         if on_epoch is not None:
             on_epoch(epoch, metrics)
+    bar.close()
     return model, history

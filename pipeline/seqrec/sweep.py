@@ -1,0 +1,219 @@
+"""The end of a next-item sweep: its tables, figures, report and parent MLflow run.
+
+``pipeline.sweep`` concatenates the cells' ``results.csv`` and hands them here, with the records
+of the cells (their folders hold each cell's ``history.csv``). Written next to the sweep's
+``results.csv`` (and copied to ``report.dir`` for DVC):
+
+- ``table.csv`` / ``table.md`` (Tables 1 and 2): test NDCG@k and HIT@k, mean (sd) over the seeds
+  of each (model, clipping, eps) at each (learning rate, batch size), the most-popular baseline as a
+  row, and DPFormer's relative gain over the vanilla Transformer where both ran;
+- ``test_metrics.png``: the test metrics against eps;
+- ``curves.png`` (Figure 6): validation NDCG@k and HIT@k per epoch, mean and a +-1 sd band over
+  seeds, one line per model, one panel per eps;
+- where the learning rate or batch size varies (Figures 2 and 7): ``grid.png``, validation NDCG@k
+  over the grid per model; ``grid.md`` / ``grid.csv``, per model and eps, the setting selected on
+  validation with its test numbers, beside the best-on-test setting (the paper's protocol, which
+  picks on the test set: reported for comparison only); ``table.md`` then shows each model at its
+  setting selected on validation; ``selected.txt``, the overrides of the
+  setting selected on validation for ``seqrec.select_for`` (the DVC table stages read it);
+- on synthetic data (attention mass measured): ``attention.png``, the last block's attention mass
+  on the positions that drove the target against eps, chance level dashed;
+- ``report.html`` with all of the above, and ``metrics.json`` (for ``dvc metrics show``).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import shutil
+from pathlib import Path
+
+import pandas as pd
+from omegaconf import DictConfig, OmegaConf
+
+from pipeline import report as reporting
+from pipeline import sweep
+from pipeline.seqrec import plot
+
+log = logging.getLogger(__name__)
+
+BASELINES = ("popular", "oracle")  # rows of every cell that are not the trained model
+NON_PRIVATE = "non-private"
+
+
+def label(method: str, clipping: str) -> str:
+    return f"{method} ({NON_PRIVATE})" if clipping == "none" else method
+
+
+def eps_label(eps: float) -> str:
+    return "inf" if math.isinf(eps) else f"{eps:g}"
+
+
+def _fmt(mean: float, sd: float) -> str:
+    """"mean (sd)"; the mean alone where there is no sd (one seed)."""
+    if pd.isna(mean):
+        return ""
+    return f"{mean:.2f}" if pd.isna(sd) else f"{mean:.2f} ({sd:.2f})"
+
+
+def table(results: pd.DataFrame, k: int) -> pd.DataFrame:
+    """Long form: one row per (model, clipping, eps, lr, batch size) of the test split, and one
+    for the most-popular baseline; mean and sd over seeds of NDCG@k and HIT@k (%)."""
+    test = results[results["split"] == "test"].copy()
+    test["model"] = [label(m, c) if m not in BASELINES else m for m, c in zip(test["method"], test["clipping"])]
+    models = test[~test["method"].isin(BASELINES)]
+    keys = ["model", "clipping", "eps", "lr", "batch_size"]
+    rows = []
+    for key, g in models.groupby(keys, sort=False):
+        rows.append(dict(zip(keys, key)) | _stats(g, k))
+    popular = test[test["method"] == "popular"].drop_duplicates(["seed"])  # the same in every cell of a seed
+    if len(popular):
+        rows.append({"model": "popular", "clipping": "", "eps": math.nan, "lr": math.nan, "batch_size": math.nan}
+                    | _stats(popular, k))
+    return pd.DataFrame(rows)
+
+
+def _stats(g: pd.DataFrame, k: int) -> dict:
+    out = {"seeds": int(g["seed"].nunique())}
+    for m in (f"ndcg{k}", f"hit{k}"):
+        out[f"{m}_mean"] = float(g[m].mean())
+        out[f"{m}_sd"] = float(g[m].std(ddof=1)) if len(g) > 1 else math.nan
+    return out
+
+
+def markdown(long: pd.DataFrame, k: int) -> tuple[pd.DataFrame, str]:
+    """Tables 1-2's layout: one row per model, one column per eps, "NDCG (sd) / HIT (sd)";
+    DPFormer's gain over the vanilla Transformer as a last row where both ran."""
+    rows = long[long["model"] != "popular"]
+    eps = sorted(rows["eps"].unique(), key=lambda e: (math.isinf(e), e))
+    wide = []
+    for model, g in rows.groupby("model", sort=False):
+        row = {"model": model}
+        for e in eps:
+            hit = g[g["eps"] == e]
+            if len(hit):
+                r = hit.iloc[0]
+                row[f"eps={eps_label(e)}"] = f"{_fmt(r[f'ndcg{k}_mean'], r[f'ndcg{k}_sd'])} / {_fmt(r[f'hit{k}_mean'], r[f'hit{k}_sd'])}"
+        wide.append(row)
+    pop = long[long["model"] == "popular"]
+    if len(pop):
+        r = pop.iloc[0]
+        text = f"{_fmt(r[f'ndcg{k}_mean'], r[f'ndcg{k}_sd'])} / {_fmt(r[f'hit{k}_mean'], r[f'hit{k}_sd'])}"
+        wide.append({"model": "most popular"} | {f"eps={eps_label(e)}": text for e in eps})
+    mean = rows.set_index(["model", "eps"])[f"ndcg{k}_mean"]
+    if "dpformer" in rows["model"].values and "transformer" in rows["model"].values:
+        gain = {"model": f"DPFormer vs vanilla, NDCG@{k}"}
+        for e in eps:
+            if ("dpformer", e) in mean.index and ("transformer", e) in mean.index:
+                gain[f"eps={eps_label(e)}"] = f"{100 * (mean['dpformer', e] / mean['transformer', e] - 1):+.1f}%"
+        wide.append(gain)
+    frame = pd.DataFrame(wide).fillna("")
+    text = (f"test NDCG@{k} (sd) / HIT@{k} (sd) in %, mean over seeds\n\n" + reporting.markdown_table(frame))
+    return frame, text
+
+
+def grid(results: pd.DataFrame, k: int) -> pd.DataFrame:
+    """Per (model, clipping, eps): the (lr, batch size) selected on mean validation NDCG@k, its test
+    numbers, and the best-on-test setting (the paper's protocol)."""
+    keys = ["method", "clipping", "eps", "lr", "batch_size"]
+    cells = results[~results["method"].isin(BASELINES)]
+    mean = cells.pivot_table(index=keys, columns="split", values=f"ndcg{k}", aggfunc="mean").reset_index()
+    hit = cells[cells["split"] == "test"].groupby(keys)[f"hit{k}"].mean().rename("test_hit").reset_index()
+    mean = mean.merge(hit, on=keys)
+    rows = []
+    for (method, clip, eps), g in mean.groupby(["method", "clipping", "eps"], sort=False):
+        sel, best = g.loc[g["valid"].idxmax()], g.loc[g["test"].idxmax()]
+        rows.append({"model": label(method, clip), "method": method, "eps": eps,
+                     "selected_lr": sel["lr"], "selected_batch_size": int(sel["batch_size"]),
+                     f"valid_ndcg{k}": sel["valid"], f"test_ndcg{k}": sel["test"], f"test_hit{k}": sel["test_hit"],
+                     "best_on_test_lr": best["lr"], "best_on_test_batch_size": int(best["batch_size"]),
+                     f"best_on_test_ndcg{k}": best["test"], f"best_on_test_hit{k}": best["test_hit"]})
+    return pd.DataFrame(rows)
+
+
+def selected_overrides(picks: pd.DataFrame, method: str) -> str:
+    """``seqrec.lr=... seqrec.batch_size=...`` of ``method``'s setting selected on validation."""
+    row = picks[picks["method"] == method]
+    if row.empty:
+        raise ValueError(f"seqrec.select_for {method!r} did not run in this sweep; ran: {sorted(picks['method'])}")
+    r = row.iloc[0]
+    return f"seqrec.lr={r['selected_lr']:g} seqrec.batch_size={int(r['selected_batch_size'])}"
+
+
+def histories(cells: sweep.Cells) -> pd.DataFrame:
+    """Every cell's ``history.csv`` with its model, clipping, eps, lr, batch size and seed."""
+    frames = []
+    for record in cells.done:
+        folder = Path(record["folder"])
+        path = folder / "history.csv"
+        if not path.exists():
+            continue
+        cell = pd.read_csv(folder / "results.csv")
+        row = cell[~cell["method"].isin(BASELINES)].iloc[0]
+        h = pd.read_csv(path)
+        for key in ("method", "clipping", "eps", "lr", "batch_size", "seed"):
+            h[key] = row[key]
+        frames.append(h)
+    return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
+
+
+def summarise(config: DictConfig, sweep_id: str, sweep_dir: Path, cells: sweep.Cells, results: pd.DataFrame,
+              csv: Path) -> None:
+    """Write the sweep's tables, figures and report; log them to the parent run; copy to report.dir."""
+    k = int(config.seqrec.k)
+    sweep_dir = Path(sweep_dir)
+    artifacts: list[Path] = [Path(csv)]
+    long = table(results, k)
+    long.to_csv(sweep_dir / "table.csv", index=False)
+    artifacts.append(sweep_dir / "table.csv")
+    figures = [plot.sweep_figure(results, sweep_dir / "test_metrics.png", k)]
+    curves = histories(cells)
+    if not curves.empty and f"ndcg{k}" in curves:
+        figures.append(plot.curves_figure(curves, sweep_dir / "curves.png", k))
+    picks = None
+    if results["lr"].nunique() > 1 or results["batch_size"].nunique() > 1:  # a grid: select on validation
+        picks = grid(results, k)
+        picks.to_csv(sweep_dir / "grid.csv", index=False)
+        (sweep_dir / "grid.md").write_text(
+            f"Per model and eps: the (learning rate, batch size) with the best mean validation NDCG@{k} and its test "
+            f"numbers; beside it the best-on-test setting (the paper's protocol, for comparison only)\n\n"
+            + reporting.markdown_table(picks.drop(columns="method").round(3)))
+        figures.append(plot.grid_figure(results, sweep_dir / "grid.png", k))
+        artifacts += [sweep_dir / "grid.csv", sweep_dir / "grid.md"]
+        chosen = config.seqrec.get("select_for")
+        if chosen:
+            (sweep_dir / "selected.txt").write_text(selected_overrides(picks, chosen) + "\n")
+            artifacts.append(sweep_dir / "selected.txt")
+        selected = picks.rename(columns={"selected_lr": "lr", "selected_batch_size": "batch_size"})
+        long = pd.concat([long.merge(selected[["model", "eps", "lr", "batch_size"]]),
+                          long[long["model"] == "popular"]], ignore_index=True)
+    frame, text = markdown(long, k)
+    (sweep_dir / "table.md").write_text(text)
+    artifacts.append(sweep_dir / "table.md")
+    shown = frame if picks is None else picks.drop(columns="method").round(3)
+    if "attention_relevant" in results and results["attention_relevant"].notna().any():
+        figures.append(plot.attention_figure(results, sweep_dir / "attention.png"))
+    artifacts += figures
+    name = config.get("experiment_name") or "seqrec sweep"
+    config_yaml = OmegaConf.to_yaml({key: v for key, v in config.items() if key != "hydra"}, resolve=True)
+    runs = [(" ".join(r.get("overrides") or []), r["run_id"]) for r in cells.done]
+    page = reporting.write_html(sweep_dir / "report.html", f"{name}: {len(cells.done)} cells", sweep.command(),
+                                config_yaml, shown, figures, runs)
+    artifacts.append(page)
+    metrics = {f"{row.model.replace(f' ({NON_PRIVATE})', '.nonprivate')}.eps_{eps_label(row.eps)}.test_ndcg{k}":
+               row._asdict()[f"ndcg{k}_mean"]
+               for row in long[long["model"] != "popular"].itertuples()}
+    parent = sweep.parent_run(config, sweep_id, sweep_dir, cells, f"{name} ({len(cells.done)} cells)",
+                              list(map(str, artifacts)), {"dataset": config.dataset.name},
+                              {key.replace("=", "_"): v for key, v in metrics.items() if not math.isnan(v)}, text)
+    if config.report.dir:
+        out = Path(config.report.dir)
+        out.mkdir(parents=True, exist_ok=True)
+        for path in artifacts:
+            shutil.copyfile(path, out / Path(path).name)
+        (out / "metrics.json").write_text(json.dumps({"cells": len(cells.done), **metrics}, indent=2, sort_keys=True)
+                                          + "\n")
+    print(f"\n{name}: {text}\nreport: {page}\nMLflow parent run {parent}: "
+          f"{sweep.tracking.ui_address(config, parent)}", flush=True)
+    log.info("sweep of %d cells: wrote %s", len(cells.done), ", ".join(str(p) for p in artifacts))
