@@ -121,7 +121,7 @@ def figure(rows: list[dict], path: Path) -> Path:
     for ax in axes.flat:
         for h, n in zip(*ax.get_legend_handles_labels()):
             seen.setdefault(n, h)
-    ncol = min(len(seen), 3)
+    ncol = min(len(seen), 4)  # four entries a line (the non-private line and three engines)
     nrows = -(-len(seen) // ncol)
     fig.legend(list(seen.values()), list(seen.keys()), loc="lower center", ncol=ncol, fontsize=8,
                frameon=False)  # below the panels: it never covers data
@@ -291,6 +291,7 @@ def main(argv=None) -> None:
                               f"{row['peak_gb']:>8.3f} {row.get('time_ratio', float('nan')):>7.2f} "
                               f"{row.get('mem_ratio', float('nan')):>7.2f}", flush=True)
     if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         with open(args.json, "w") as fh:
             json.dump(rows, fh, indent=1)
     if args.figure:
