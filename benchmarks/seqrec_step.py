@@ -31,6 +31,10 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import pandas as pd
 
 ENGINES = [("none", "transformer"), ("phantom", "transformer"), ("phantom/backward", "transformer"),
            ("per_sample", "transformer"),
@@ -53,7 +57,7 @@ def fail(message: str) -> None:
     sys.exit(2)
 
 
-def ratios(rows: list[dict]) -> "pd.DataFrame":
+def ratios(rows: list[dict]) -> pd.DataFrame:
     """One row per timed (engine, model, B, L, M): its ``seconds`` and ``peak_gb`` over those of the
     non-private (``none``) step of the same (B, L, M) (``time_ratio``, ``mem_ratio``; NaN where that
     step is missing or its peak is not positive), and its legend name (``series``). Skipped rows are
