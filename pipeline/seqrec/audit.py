@@ -116,11 +116,16 @@ def engine_for(variant: str, model, cfg: DictConfig):
     return engine
 
 
+def model_for(cfg: DictConfig, seqs: data.Sequences, dtype) -> torch.nn.Module:
+    """The audited model: the configured one at its initialisation (``seed``), dropout off."""
+    torch.manual_seed(int(cfg.seed))
+    return models.build(OmegaConf.merge(cfg.model, {"dropout": 0.0}), seqs.n_items, seqs.L).to(dtype)
+
+
 def clipped_sum(variant: str, cfg: DictConfig, seqs: data.Sequences, rows: torch.Tensor, dtype) -> torch.Tensor:
     """S = sum_i c_i g_i over ``rows``, flattened over the trainable parameters, from the engine
-    through ``train.noisy_gradient`` without noise (and B = 1); a fresh model (seed, dropout off)."""
-    torch.manual_seed(int(cfg.seed))
-    model = models.build(OmegaConf.merge(cfg.model, {"dropout": 0.0}), seqs.n_items, seqs.L).to(dtype)
+    through ``train.noisy_gradient`` without noise (and B = 1), on a fresh ``model_for``."""
+    model = model_for(cfg, seqs, dtype)
     engine = engine_for(variant, model, cfg)
     train.noisy_gradient(engine, model, rows[:, :-1], rows[:, 1:], sigma=0.0, C=float(cfg.clipping.C),
                          expected_batch=1, generator=None)
@@ -140,37 +145,46 @@ def releases(S: torch.Tensor, u: torch.Tensor, *, std: float, runs: int, chunk: 
     return out
 
 
-def audit_variant(variant: str, cfg: DictConfig, seqs, D: torch.Tensor, D_: torch.Tensor, item: int, out) -> dict:
+def measure(variant: str, cfg: DictConfig, seqs, D: torch.Tensor, D_: torch.Tensor) -> tuple[dict, np.ndarray, np.ndarray, audit.Bound]:
+    """One variant's audit, without logging: its row (bound, power, verdict, the canary's clipped
+    norm and the step's true eps from it), and the statistic on both batches' releases."""
     a = cfg.audit
     eps, delta = float(cfg.privacy.eps), float(cfg.privacy.delta)
     C = float(cfg.clipping.C)
     sigma = privacy.gaussian_multiplier(eps=eps, delta=delta)
     scale = 0.5 if variant == "noise_halved" else float(a.noise_scale)
     dtype = getattr(torch, cfg.compute.dtype)
+    first, second = (clipped_sum(variant, cfg, seqs, rows, dtype) for rows in (D, D_))
+    diff = first - second  # the canary's clipped gradient c g (the others' terms cancel)
+    norm = float(diff.norm())
+    u = diff / norm
+    runs, chunk, seed = int(a.runs), int(cfg.compute.chunk_trials), int(cfg.seed)
+    log.info("audit: seqrec %s:%s, canary's clipped norm %.4g (C = %g), %d runs per batch", cfg.clipping.name,
+             variant, norm, C, runs)
+    s_first, s_second = (releases(S, u, std=scale * sigma * C, runs=runs, chunk=chunk, seed=seed,
+                                  stream=f"audit-seqrec:{variant}:{side}")
+                         for S, side in ((first, "canary"), (second, "neighbour")))
+    bound = audit.eps_lower_bound(s_first, s_second, delta=delta, confidence=float(a.confidence),
+                                  select_fraction=float(a.select_fraction))
+    power = audit.eps_power(bound.held_out, float(a.power_factor) * eps, delta=delta, confidence=float(a.confidence))
+    # the eps this step really has: a Gaussian mechanism with sensitivity ||c g|| and std scale sigma C
+    true_eps = privacy.spent_epsilon(multiplier=scale * sigma * C / norm, T=1, delta=delta)
+    row = {"method": f"{cfg.clipping.name}:{variant}", "variant": variant, "eps": eps, "delta": delta, "runs": runs,
+           "noise_scale": scale, "sigma": sigma, "C": C, "users": D_.shape[0], "parameters": first.numel(),
+           "canary_norm": norm, "eps_true": true_eps, **asdict(bound), "eps_power": power,
+           "verdict": audit.verdict(bound, eps, power)}
+    return row, s_first, s_second, bound
+
+
+def audit_variant(variant: str, cfg: DictConfig, seqs, D: torch.Tensor, D_: torch.Tensor, item: int, out) -> dict:
+    """``measure`` as one MLflow run (tag kind=audit): parameters, bound, verdict, histogram."""
+    a = cfg.audit
     name = f"{cfg.clipping.name}:{variant}"
     tags = {"kind": "audit", "task": "seqrec", "method": name, "variant": variant, "model": cfg.model.name,
             "clipping": cfg.clipping.name}
-    with tracking.run(f"audit seqrec {name} eps={eps:g}", tags):
-        first, second = (clipped_sum(variant, cfg, seqs, rows, dtype) for rows in (D, D_))
-        diff = first - second  # the canary's clipped gradient c g (the others' terms cancel)
-        norm = float(diff.norm())
-        u = diff / norm
-        runs = int(a.runs)
-        chunk = int(cfg.compute.chunk_trials)
-        log.info("audit: seqrec %s, canary's clipped norm %.4g (C = %g), %d runs per batch", name, norm, C, runs)
-        s_first = releases(first, u, std=scale * sigma * C, runs=runs, chunk=chunk, seed=int(cfg.seed),
-                           stream=f"audit-seqrec:{variant}:canary")
-        s_second = releases(second, u, std=scale * sigma * C, runs=runs, chunk=chunk, seed=int(cfg.seed),
-                            stream=f"audit-seqrec:{variant}:neighbour")
-        bound = audit.eps_lower_bound(s_first, s_second, delta=delta, confidence=float(a.confidence),
-                                      select_fraction=float(a.select_fraction))
-        power = audit.eps_power(bound.held_out, float(a.power_factor) * eps, delta=delta, confidence=float(a.confidence))
-        outcome = audit.verdict(bound, eps, power)
-        # the eps this step really has: a Gaussian mechanism with shift ||c g|| / (scale sigma C)
-        true_eps = privacy.spent_epsilon(multiplier=scale * sigma * C / norm, T=1, delta=delta)
-        row = {"method": name, "variant": variant, "eps": eps, "delta": delta, "runs": runs, "noise_scale": scale,
-               "sigma": sigma, "C": C, "canary_item": item, "users": D_.shape[0], "parameters": first.numel(),
-               "canary_norm": norm, "eps_true": true_eps, **asdict(bound), "eps_power": power, "verdict": outcome}
+    with tracking.run(f"audit seqrec {name} eps={float(cfg.privacy.eps):g}", tags):
+        row, s_first, s_second, bound = measure(variant, cfg, seqs, D, D_)
+        row["canary_item"] = item
         tracking.log_params("audit", {k: v for k, v in row.items()
                                       if k not in ("eps_lower", "eps_estimate", "eps_ceiling", "eps_power", "tpr", "fpr",
                                                    "canary_norm", "eps_true")}
@@ -178,14 +192,15 @@ def audit_variant(variant: str, cfg: DictConfig, seqs, D: torch.Tensor, D_: torc
         tracking.log_params("train", {"model": cfg.model.name, "clipping": cfg.clipping.name, "rule": cfg.clipping.rule,
                                       "dataset": cfg.dataset.name, "L": seqs.L})
         tracking.log_metrics("audit", {"eps_lower": bound.eps_lower, "eps_estimate": min(bound.eps_estimate, 1e6),
-                                       "tpr": bound.tpr, "fpr": bound.fpr, "claimed_eps": eps, "eps_ceiling": bound.eps_ceiling,
-                                       "eps_power": power, "canary_norm": norm, "eps_true": true_eps})
-        mlflow.set_tag("verdict", outcome)
-        held = slice(int(round(a.select_fraction * runs)), None)
+                                       "tpr": bound.tpr, "fpr": bound.fpr, "claimed_eps": row["eps"],
+                                       "eps_ceiling": bound.eps_ceiling, "eps_power": row["eps_power"],
+                                       "canary_norm": row["canary_norm"], "eps_true": row["eps_true"]})
+        mlflow.set_tag("verdict", row["verdict"])
+        held = slice(int(round(a.select_fraction * row["runs"])), None)
         fig = plot.audit_histogram(s_first[held], s_second[held], bound, row, out / f"audit_seqrec_{variant}.png")
         mlflow.log_artifact(str(fig))
     log.info("audit seqrec %s: eps >= %.3g at %.0f%% confidence (claimed %g; canary's clipped norm %.3g C): %s", name,
-             bound.eps_lower, 100 * a.confidence, eps, norm / C, outcome.upper())
+             bound.eps_lower, 100 * a.confidence, row["eps"], row["canary_norm"] / row["C"], row["verdict"].upper())
     return row
 
 
