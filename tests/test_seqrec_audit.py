@@ -141,6 +141,18 @@ def test_claim_is_the_analytic_gaussian_mechanism(setup):
     assert privacy.gaussian_delta(mu=1 / sigma, eps=eps) == pytest.approx(delta, rel=1e-3)
 
 
+def test_run_sigma_is_the_runs_multiplier_against_one_steps_exact_eps(setup):
+    """audit.seqrec.sigma=run: the training run's calibrated multiplier (train.plan at privacy.eps = 8),
+    and the claim is one Gaussian step's eps with it: delta(eps) = delta exactly."""
+    cfg, seqs, *_ = setup
+    cfg = cfg.copy()
+    cfg.privacy.eps, cfg.audit.seqrec.sigma = 8.0, "run"
+    sigma, eps, delta = seqaudit.claim(cfg, seqs.n_users)
+    assert sigma == train.plan(cfg, seqs.n_users).sigma and 0 < sigma < 2
+    assert privacy.gaussian_delta(mu=1 / sigma, eps=eps) == pytest.approx(delta, rel=1e-3)
+    assert privacy.gaussian_delta(mu=1 / sigma, eps=0.99 * eps) > 1.01 * delta  # the smallest such eps
+
+
 def _cli(tmp_path, *args):
     store = f"sqlite:///{tmp_path / 'mlflow.db'}"
     proc = subprocess.run([sys.executable, "-m", "pipeline.audit", *TINY, *args, f"mlflow.tracking_uri={store}",

@@ -10,7 +10,11 @@ sigma is at least the analytic Gaussian multiplier of (eps, delta) (Balle and Wa
 claimed ``privacy.eps`` and ``privacy.delta``: the claim is exact (no accountant slack, no
 subsampling, no composition), so a clipping or noise bug that raises the step's true eps shows up
 as a violation. A training run's sigma is another number, but what its guarantee rests on per step
-is the same: the engine's bound ||c_i g_i|| <= C and noise of std sigma C.
+is the same: the engine's bound ||c_i g_i|| <= C and noise of std sigma C. ``audit.seqrec.sigma:
+run`` audits the step at the run's own multiplier instead (``train.plan``: the accountant's sigma
+for ``privacy.eps`` over the run's sampling rate and steps), against that one step's exact claim,
+the eps of a single Gaussian mechanism with that multiplier at ``privacy.delta``; a larger claim
+needs more runs to be tested (``eps_power``).
 
 Neighbouring batches: D' = the first ``audit.seqrec.users`` users of the training rows (default
 ``seqrec.batch_size``) and D = D' plus a canary user whose L + 1 items all are the item rarest in
@@ -77,6 +81,20 @@ class OneBranchPhantom(Phantom):
         return losses, sq, per_layer
 
 
+def claim(cfg: DictConfig, n_users: int) -> tuple[float, float, float]:
+    """(sigma, eps, delta) of the audited step: ``audit.seqrec.sigma: claim``: the analytic Gaussian
+    multiplier of (privacy.eps, privacy.delta); ``run``: the run's DP-SGD multiplier and the exact eps
+    of one Gaussian step with it at privacy.delta."""
+    eps, delta = float(cfg.privacy.eps), float(cfg.privacy.delta)
+    if cfg.audit.seqrec.sigma == "run":
+        sigma = train.plan(cfg, n_users).sigma
+        return sigma, privacy.spent_epsilon(multiplier=sigma, T=1, delta=delta), delta
+    return privacy.gaussian_multiplier(eps=eps, delta=delta), eps, delta
+
+
+SIGMAS = ("claim", "run")
+
+
 def validate(cfg: DictConfig) -> list[str]:
     """Check the config (the task's own checks, the audit's keys, the seqrec audit's); return the
     variants to audit."""
@@ -85,6 +103,10 @@ def validate(cfg: DictConfig) -> list[str]:
     s = cfg.audit.seqrec
     if s.users is not None:
         config._int(s.users, "audit.seqrec.users", 1)
+    if s.sigma not in SIGMAS:
+        raise ConfigError(f"audit.seqrec.sigma {s.sigma!r} is unknown; known: {list(SIGMAS)}")
+    if s.sigma == "run" and not np.isfinite(float(cfg.privacy.eps)):
+        raise ConfigError("audit.seqrec.sigma=run with privacy.eps=inf: the run adds no noise, nothing to audit")
     controls = list(s.controls or [])
     for name in controls:
         if name not in CONTROLS:
@@ -149,9 +171,8 @@ def measure(variant: str, cfg: DictConfig, seqs, D: torch.Tensor, D_: torch.Tens
     """One variant's audit, without logging: its row (bound, power, verdict, the canary's clipped
     norm and the step's true eps from it), and the statistic on both batches' releases."""
     a = cfg.audit
-    eps, delta = float(cfg.privacy.eps), float(cfg.privacy.delta)
+    sigma, eps, delta = claim(cfg, seqs.n_users)
     C = float(cfg.clipping.C)
-    sigma = privacy.gaussian_multiplier(eps=eps, delta=delta)
     scale = 0.5 if variant == "noise_halved" else float(a.noise_scale)
     dtype = getattr(torch, cfg.compute.dtype)
     first, second = (clipped_sum(variant, cfg, seqs, rows, dtype) for rows in (D, D_))
@@ -170,7 +191,7 @@ def measure(variant: str, cfg: DictConfig, seqs, D: torch.Tensor, D_: torch.Tens
     # the eps this step really has: a Gaussian mechanism with sensitivity ||c g|| and std scale sigma C
     true_eps = privacy.spent_epsilon(multiplier=scale * sigma * C / norm, T=1, delta=delta)
     row = {"method": f"{cfg.clipping.name}:{variant}", "variant": variant, "eps": eps, "delta": delta, "runs": runs,
-           "noise_scale": scale, "sigma": sigma, "C": C, "users": D_.shape[0], "parameters": first.numel(),
+           "noise_scale": scale, "sigma": sigma, "sigma_from": str(a.seqrec.sigma), "C": C, "users": D_.shape[0], "parameters": first.numel(),
            "canary_norm": norm, "eps_true": true_eps, **asdict(bound), "eps_power": power,
            "verdict": audit.verdict(bound, eps, power)}
     return row, s_first, s_second, bound
@@ -182,7 +203,7 @@ def audit_variant(variant: str, cfg: DictConfig, seqs, D: torch.Tensor, D_: torc
     name = f"{cfg.clipping.name}:{variant}"
     tags = {"kind": "audit", "task": "seqrec", "method": name, "variant": variant, "model": cfg.model.name,
             "clipping": cfg.clipping.name}
-    with tracking.run(f"audit seqrec {name} eps={float(cfg.privacy.eps):g}", tags):
+    with tracking.run(f"audit seqrec {name}", tags):
         row, s_first, s_second, bound = measure(variant, cfg, seqs, D, D_)
         row["canary_item"] = item
         tracking.log_params("audit", {k: v for k, v in row.items()
