@@ -105,8 +105,8 @@ def validate(cfg: DictConfig) -> list[str]:
         config._int(s.users, "audit.seqrec.users", 1)
     if s.sigma not in SIGMAS:
         raise ConfigError(f"audit.seqrec.sigma {s.sigma!r} is unknown; known: {list(SIGMAS)}")
-    if s.sigma == "run" and not np.isfinite(float(cfg.privacy.eps)):
-        raise ConfigError("audit.seqrec.sigma=run with privacy.eps=inf: the run adds no noise, nothing to audit")
+    if not np.isfinite(float(cfg.privacy.eps)):
+        raise ConfigError("privacy.eps=inf: a step without noise makes no claim to audit")
     controls = list(s.controls or [])
     for name in controls:
         if name not in CONTROLS:
