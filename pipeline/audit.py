@@ -1,5 +1,8 @@
 """Empirical privacy audit: ``python -m pipeline.audit [overrides]``.
 
+(A config with ``task: seqrec``, e.g. ``experiment=dpformer_ci``, audits one DP-SGD step of the
+next-item task instead, with a canary user: ``pipeline/seqrec/audit.py``, reusing the bound below.)
+
 For each private mechanism (``audit.methods``, default every private one configured), the audit
 
 1. builds a worst-case pair of neighbouring prompt sets (``canary``): N - 1 prompts whose private
@@ -197,7 +200,12 @@ def audited(cfg: DictConfig) -> list[str]:
 
 def validate(cfg: DictConfig) -> tuple[config.Constants, list[str]]:
     const = config.validate(cfg)
-    a = cfg.audit
+    check_keys(cfg.audit)
+    return const, audited(cfg)
+
+
+def check_keys(a: DictConfig) -> None:
+    """The audit's own keys (both tasks)."""
     config._positive_int(a.runs, "audit.runs")
     for name, runs in (a.runs_for or {}).items():
         config._positive_int(runs, f"audit.runs_for.{name}")
@@ -209,7 +217,6 @@ def validate(cfg: DictConfig) -> tuple[config.Constants, list[str]]:
         raise ConfigError(f"audit.power_factor must be a number > 1, got {a.power_factor!r}")
     if isinstance(a.noise_scale, bool) or not isinstance(a.noise_scale, (int, float)) or not a.noise_scale > 0:
         raise ConfigError(f"audit.noise_scale must be a positive number, got {a.noise_scale!r}")
-    return const, audited(cfg)
 
 
 def runs_of(name: str, cfg: DictConfig) -> int:
@@ -267,6 +274,10 @@ def audit_one(name: str, const: config.Constants, cfg: DictConfig, out: Path) ->
 
 
 def run(cfg: DictConfig) -> pd.DataFrame:
+    if cfg.get("task", "noisyhead") == "seqrec":  # one DP-SGD step of the next-item task: pipeline/seqrec/audit.py
+        from pipeline.seqrec import audit as seqrec_audit
+
+        return seqrec_audit.run(cfg)
     const, names = validate(cfg)  # before anything is created or computed
     if cfg.compute.threads:
         torch.set_num_threads(int(cfg.compute.threads))
