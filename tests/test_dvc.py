@@ -4,6 +4,7 @@ outputs appear, and a second `dvc repro` does nothing."""
 import json
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -37,7 +38,7 @@ def test_dvc_repro_builds_every_artifact_and_then_does_nothing(tmp_path):
         "extra: dataset.n_test=8 compute.chunk_trials=2 mlflow.tracking_uri=sqlite:///mlflow.db\n"
         f"amazon: {AMAZON}\ndpformer_synthetic_data: synthetic_longtail_tiny\ndpformer_amazon_data: amazon_games_tiny\n"
         "dpformer_jobs: 2\ndpformer_extra: seed=0 seqrec.epochs=1 model.d=8 model.d_ff=16 "
-        "mlflow.tracking_uri=sqlite:///mlflow.db\n"
+        "mlflow.tracking_uri=sqlite:///mlflow.db\ndpformer_fig3_grid: --B 2 --L 4 --M 20 --repeats 1\n"
     )
     run(["git", "init", "-q"], repo)
     run(["git", "-c", "user.name=ci", "-c", "user.email=ci@example.org", "add", "-A"], repo)
@@ -60,6 +61,8 @@ def test_dvc_repro_builds_every_artifact_and_then_does_nothing(tmp_path):
         assert (out / "curves.png").stat().st_size > 0, stage
     for grid in ("dpformer_fig2", "dpformer_fig7"):  # the setting selected on validation, read by the tables
         assert (repo / "artifacts" / grid / "selected.txt").read_text().startswith("seqrec.lr="), grid
+    assert (repo / "artifacts/dpformer_fig3/efficiency.png").stat().st_size > 0
+    assert len(json.loads((repo / "artifacts/dpformer_fig3/efficiency.json").read_text())) == 4  # one row per engine
     table1 = (repo / "artifacts/dpformer_table1/results.csv").read_text()
     assert "attention_relevant" in table1 and "eps" in table1
     assert "non-private" in (repo / "artifacts/dpformer_table2/nonprivate/table.md").read_text()
@@ -69,3 +72,36 @@ def test_dvc_repro_builds_every_artifact_and_then_does_nothing(tmp_path):
     assert "up to date" in second.lower() or "didn't change" in second.lower(), second
     shown = run(["dvc", "metrics", "show"], repo)
     assert "artifacts/fig1/metrics.json" in shown
+
+
+LOADS = {  # what a stage's process imports: its entry points and the modules its task loads on demand
+    "fig1": ["pipeline.__main__", "pipeline.tasks", "pipeline.overrides", "pipeline.preflight", "pipeline.sweep",
+             "pipeline.cell", "pipeline.newsgroups", "hydra_plugins.pipeline_sweeper.validating_sweeper"],
+    "dpformer_table2": ["pipeline.__main__", "pipeline.tasks", "pipeline.overrides", "pipeline.preflight",
+                        "pipeline.sweep", "pipeline.seqrec.cell", "pipeline.seqrec.sweep", "pipeline.seqrec.config",
+                        "pipeline.seqrec.synthetic", "hydra_plugins.pipeline_sweeper.validating_sweeper"],
+    "dpformer_fig3": ["benchmarks.seqrec_step", "pipeline.seqrec.clipping", "pipeline.seqrec.models",
+                      "pipeline.seqrec.train"],
+}
+
+
+@pytest.mark.parametrize("stage", sorted(LOADS))
+def test_a_stage_depends_on_every_module_it_loads(stage):
+    """The deps are listed file by file (so that one task's edits do not re-run the other's
+    stages): every pipeline module the stage's process imports must be covered, and NoisyHead's
+    stages must not depend on DPFormer's code nor the other way round."""
+    from omegaconf import OmegaConf
+
+    deps = OmegaConf.to_container(OmegaConf.load(ROOT / "dvc.yaml"), resolve=False)["stages"][stage]["deps"]
+    code = "import sys\n" + "".join(f"import {m}\n" for m in LOADS[stage]) + (
+        "print('\\n'.join(m.__file__ for n, m in list(sys.modules.items())"
+        " if n.split('.')[0] in ('pipeline', 'hydra_plugins', 'benchmarks') and getattr(m, '__file__', None)))")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    loaded = {Path(f).resolve().relative_to(ROOT).as_posix() for f in proc.stdout.split()}
+    missing = [f for f in sorted(loaded) if not any(f == d or f.startswith(d.rstrip("/") + "/") for d in deps)]
+    assert not missing, f"{stage} does not depend on {missing}"
+    if stage.startswith("dpformer"):
+        assert "pipeline/cell.py" not in loaded and "pipeline/cell.py" not in deps
+    else:
+        assert not any(d.startswith("pipeline/seqrec") for d in deps) and not any("seqrec" in f for f in loaded)

@@ -44,13 +44,13 @@ def sweep_figure(results: pd.DataFrame, path: Path, k: int = 10) -> Path:
     for ax, key, label in zip(axes, (f"ndcg{k}", f"hit{k}"), (f"NDCG@{k}", f"HIT@{k}")):
         for (method, clip), g in model_rows.groupby(["method", "clipping"]):
             g = g.groupby("eps")[key].mean()
-            ax.plot([where[e] for e in g.index], g.values, marker="o", label=f"{method} ({clip})")
-        ax.set_xticks(range(len(eps)), [f"{e:g}" for e in eps])
+            ax.plot([where[e] for e in g.index], g.values, marker="o", label=_name(method, clip))
+        ax.set_xticks(range(len(eps)), ["∞" if e == float("inf") else f"{e:g}" for e in eps])
         pop = test[test["method"] == "popular"][key]
         if len(pop):
             ax.axhline(pop.mean(), ls="--", color="grey", label="most popular")
-        ax.set_xlabel("eps")
-        ax.set_ylabel(f"test {label} (%)")
+        ax.set_xlabel("ε")
+        ax.set_ylabel(f"test {label} (%), mean over seeds")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
     fig.tight_layout()

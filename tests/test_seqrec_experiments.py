@@ -1,0 +1,128 @@
+"""The DPFormer experiments' measures and sweep tables (pipeline/seqrec/attention.py,
+pipeline/seqrec/sweep.py): the attention mass against a per-user brute force and against uniform
+attention, and the tables' means, selection on validation and best-on-test against hand-computed
+values."""
+
+import math
+
+import pandas as pd
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from pipeline.seqrec import attention, models, sweep, train
+
+M, L = 30, 7
+
+
+def build(arch="transformer", reattention=False, seed=0):
+    torch.manual_seed(seed)
+    cfg = dict(arch=arch, d=8, heads=2, blocks=2, d_ff=16, dropout=0.0, tied=True, init_std=0.5, layers=1)
+    if reattention:
+        cfg["reattention"] = {"presence": "public"}
+    return models.build(OmegaConf.create(cfg), M, L).double()
+
+
+def users(n=23, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(1, M + 1, (n, L), generator=g)
+    pad = torch.randint(0, L - 1, (n,), generator=g)  # left padding of 0..L-2 positions
+    ids[torch.arange(L)[None] < pad[:, None]] = 0
+    relevant = (torch.rand(n, L, generator=g) < 0.3) & (ids != 0)
+    relevant[::5] = False  # some users have no relevant position: not counted
+    return ids, relevant
+
+
+@pytest.mark.parametrize("reattention", [False, True])
+def test_attention_mass_is_the_per_user_last_query_mass_whatever_the_batch(reattention):
+    model = build(reattention=reattention)
+    if reattention:
+        model.set_errors(0.05, torch.full((M + 1,), 0.2, dtype=torch.float64))
+        assert model.active
+    ids, relevant = users()
+    got = attention.relevant_mass(model, ids, relevant, batch=4)
+    assert attention.relevant_mass(model, ids, relevant, batch=100) == pytest.approx(got, rel=1e-12)
+    masses, chance = [], []
+    for u in range(len(ids)):  # brute force: one user at a time, heads averaged by hand
+        if not relevant[u].any():
+            continue
+        record = []
+        model.eval()
+        model(ids[u:u + 1], record=record)
+        att = record[-1]["att"][0, :, -1]  # (heads, T)
+        masses.append(sum(att[h, relevant[u]].sum().item() for h in range(att.shape[0])) / att.shape[0])
+        keys = [t for t in range(L) if ids[u, t] != 0 or t == L - 1]
+        chance.append(sum(bool(relevant[u, t]) for t in keys) / len(keys))
+    assert got["attention_relevant"] == pytest.approx(sum(masses) / len(masses), rel=1e-10)
+    assert got["attention_uniform"] == pytest.approx(sum(chance) / len(chance), rel=1e-12)
+
+
+def test_attention_that_ignores_content_puts_the_chance_mass_on_the_relevant_positions():
+    model = build()
+    with torch.no_grad():  # zero queries: every allowed key gets the same score
+        for block in model.blocks:
+            block.attn.q.weight.zero_()
+            block.attn.q.bias.zero_()
+    ids, relevant = users(seed=3)
+    got = attention.relevant_mass(model, ids, relevant, batch=8)
+    assert got["attention_relevant"] == pytest.approx(got["attention_uniform"], rel=1e-12)
+    assert 0 < got["attention_uniform"] < 1
+
+
+def test_a_model_without_attention_reports_nan():
+    ids, relevant = users()
+    got = attention.relevant_mass(build("gru"), ids, relevant, batch=8)
+    assert math.isnan(got["attention_relevant"]) and math.isnan(got["attention_uniform"])
+
+
+def cells():
+    """Two models x two learning rates x two seeds; validation prefers lr 0.01 for the
+    transformer while the test set prefers 0.03 (so selection on validation is visible)."""
+    rows = []
+    ndcg = {("transformer", 0.01): (5.0, 3.0), ("transformer", 0.03): (4.0, 4.0),
+            ("dpformer", 0.01): (6.0, 6.0), ("dpformer", 0.03): (1.0, 1.0)}
+    for (method, lr), (valid, test) in ndcg.items():
+        for seed in (0, 1):
+            shift = seed - 0.5  # seeds at mean -+ 0.5
+            common = dict(clipping="phantom", eps=8.0, lr=lr, batch_size=256, seed=seed)
+            rows += [dict(method=method, split="valid", ndcg10=valid + shift, hit10=2 * (valid + shift), **common),
+                     dict(method=method, split="test", ndcg10=test + shift, hit10=2 * (test + shift), **common),
+                     dict(method="popular", split="test", ndcg10=1.0 + seed, hit10=2.0 + seed, **common)]
+    return pd.DataFrame(rows)
+
+
+def test_table_means_and_sds_over_seeds():
+    long = sweep.table(cells(), 10)
+    row = long[(long["model"] == "transformer") & (long["lr"] == 0.03)].iloc[0]
+    assert row["ndcg10_mean"] == pytest.approx(4.0) and row["ndcg10_sd"] == pytest.approx(math.sqrt(0.5))
+    assert row["hit10_mean"] == pytest.approx(8.0) and row["seeds"] == 2
+    pop = long[long["model"] == "popular"].iloc[0]  # one row per seed, not one per cell
+    assert pop["ndcg10_mean"] == pytest.approx(1.5) and pop["seeds"] == 2
+
+
+def test_grid_selects_on_validation_and_reports_the_best_on_test_apart():
+    picks = sweep.grid(cells(), 10).set_index("method")
+    t = picks.loc["transformer"]
+    assert t["selected_lr"] == 0.01 and t["test_ndcg10"] == pytest.approx(3.0)  # chosen on validation
+    assert t["best_on_test_lr"] == 0.03 and t["best_on_test_ndcg10"] == pytest.approx(4.0)  # the paper's protocol
+    assert sweep.selected_overrides(picks.reset_index(), "transformer") == "seqrec.lr=0.01 seqrec.batch_size=256"
+    with pytest.raises(ValueError, match="gru"):
+        sweep.selected_overrides(picks.reset_index(), "gru")
+
+
+def test_markdown_table_has_one_row_per_model_and_dpformers_gain():
+    results = cells()
+    results = results[results["lr"] == 0.01]
+    frame, text = sweep.markdown(sweep.table(results, 10), 10)
+    assert list(frame["model"]) == ["transformer", "dpformer", "most popular", "DPFormer vs vanilla, NDCG@10"]
+    assert frame.loc[0, "eps=8"] == "3.00 (0.71) / 6.00 (1.41)"
+    assert frame.loc[3, "eps=8"] == "+100.0%"  # 6.0 against 3.0
+    assert "| most popular | 1.50 (0.71) / 2.50 (0.71) |" in text
+
+
+def test_history_frame_has_validation_metrics_at_the_evaluated_epochs_only():
+    h = train.History(epoch=[1, 2, 3], loss=[3.0, 2.0, 1.0], mean_norm=[0.5, 0.4, 0.3],
+                      valid=[{"epoch": 2, "ndcg10": 1.5, "hit10": 3.0}])
+    df = h.frame()
+    assert list(df["epoch"]) == [1, 2, 3] and df["ndcg10"].isna().tolist() == [True, False, True]
+    assert df.loc[1, "hit10"] == 3.0
