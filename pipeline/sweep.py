@@ -107,16 +107,17 @@ def summarise(config: DictConfig, sweep_id: str, sweep_dir: Path, cells: Cells) 
     page = reporting.write_html(sweep_dir / "report.html", f"{name}: {len(cells.done)} cells, B = {config.trials}",
                                 command(), config_yaml, table, figs, runs)
     artifacts.append(str(page))
-    parent = parent_run(config, sweep_id, sweep_dir, cells, f"{name} ({len(cells.done)} cells)", artifacts,
-                        {"regime": config.regime.name, "B": config.trials, "measure": y},
-                        reporting.headline(results, y),
-                        f"{y.replace('_', ' ')}, mean (sd) across B = {config.trials} trials\n\n"
-                        + reporting.markdown_table(table))
+    shown = ["N", "eps", "T", "B"] + (["attack.c", "attack.p", "alpha"] if config.attack.name != "none" else [])
+    shown += [k.lstrip("+~") for k, v in reporting.grid(overrides).items() if len(v) > 1 and k.lstrip("+~") not in shown
+              and cell.short_key(k) not in shown]
+    print(f"\n{name}: {y.replace('_', ' ')}, mean (sd) across B = {config.trials} trials\n"
+          f"{reporting.text_table(table)}\nreport: {page}", flush=True)
+    parent_run(config, sweep_id, sweep_dir, cells, f"{name} ({len(cells.done)} cells)", artifacts,
+               {"regime": config.regime.name, "B": config.trials, "measure": y}, reporting.headline(results, y),
+               f"{y.replace('_', ' ')}, mean (sd) across B = {config.trials} trials\n\n" + reporting.markdown_table(table),
+               (shown, [k for k in cell.headline_metrics(plot.shown(results, config.plot))]))
     if config.report.dir:  # after the parent run: a report that cannot be written loses nothing else
         report(results, config, artifacts)
-    print(f"\n{name}: {y.replace('_', ' ')}, mean (sd) across B = {config.trials} trials\n"
-          f"{reporting.text_table(table)}\n"
-          f"report: {page}\nMLflow parent run {parent}: {tracking.ui_address(config, parent)}", flush=True)
     log.info("sweep of %d cells: wrote %s, %s and %s", len(cells.done), csv, page, ", ".join(map(str, figs)))
 
 
@@ -126,9 +127,12 @@ def command() -> str:
 
 
 def parent_run(config: DictConfig, sweep_id: str, sweep_dir: Path, cells: Cells, name: str, artifacts: list[str],
-               params: dict, metrics: dict | None = None, description: str | None = None) -> str:
+               params: dict, metrics: dict | None = None, description: str | None = None,
+               columns: tuple[list[str], list[str]] = ([], [])) -> str:
     """The sweep's parent run (either task): its artifacts, the cells that finished attached, the
-    grid and command as params, the failed cells named; returns its run id."""
+    grid and command as params, the failed cells named; and a runs-table view of the sweep whose
+    columns are ``columns`` (params, metrics): ``tracking.share_view``. Prints where both are
+    shown; returns the parent's run id."""
     tracking.setup(config)
     grid = reporting.grid([r.get("overrides") or [] for r in cells.done])
     params = {"cells": len(cells.done), "task": config.get("task", "noisyhead"), "sweep_dir": str(sweep_dir),
@@ -139,5 +143,9 @@ def parent_run(config: DictConfig, sweep_id: str, sweep_dir: Path, cells: Cells,
     if cells.failed:
         params["failed_cells"] = "; ".join(cells.failed)[:6000]
         tags["failed_cells"] = str(len(cells.failed))
-    return tracking.finish_sweep(sweep_id, name, artifacts, params, [r["run_id"] for r in cells.done], tags,
-                                 metrics, description)
+    parent = tracking.finish_sweep(sweep_id, name, artifacts, params, [r["run_id"] for r in cells.done], tags,
+                                   metrics, description)
+    experiment = tracking.share_view(parent, sweep_id, *columns)
+    print(f"MLflow parent run {parent}: {tracking.ui_address(config, parent)}\n"
+          f"the sweep's runs table: {tracking.view_address(config, experiment, sweep_id)}", flush=True)
+    return parent

@@ -108,6 +108,30 @@ def ui_address(cfg: DictConfig, run_id: str) -> str:
     return f"{page}  (after: mlflow ui --backend-store-uri {uri})"
 
 
+VIEW_TAG = "mlflow.sharedViewState."  # + a key: an experiment tag MLflow's UI opens as a "shared view"
+
+
+def share_view(parent: str, sweep: str, params: list[str], metrics: list[str]) -> str:
+    """A runs-table view of a sweep that MLflow's UI opens with ``?viewStateShareKey=<sweep>``: the
+    sweep's cells (filtered by their ``sweep`` tag), the given params and metrics as columns.
+    MLflow keeps a user's column choice in the browser only; a shared view is the one setting a
+    server can carry. The view is the JSON UI state MLflow's "Share" button stores as the
+    experiment tag ``mlflow.sharedViewState.<key>``. Returns the experiment id."""
+    experiment = mlflow.get_run(parent).info.experiment_id
+    columns = [f"params.`{k}`" for k in params] + [f"metrics.`{k}`" for k in metrics]
+    state = {"selectedColumns": columns, "searchFilter": f"tags.{SWEEP_TAG} = '{sweep}' and tags.kind = 'cell'",
+             "orderByKey": "attributes.start_time", "orderByAsc": True}
+    mlflow.MlflowClient().set_experiment_tag(experiment, VIEW_TAG + sweep, json.dumps(state))
+    return experiment
+
+
+def view_address(cfg: DictConfig, experiment: str, key: str) -> str:
+    """The runs table of ``experiment`` in the shared view ``key`` (see ``share_view``)."""
+    uri = mlflow.get_tracking_uri()
+    base = uri if uri.startswith(("http://", "https://")) else str(cfg.mlflow.get("ui") or "http://127.0.0.1:5000")
+    return f"{base.rstrip('/')}/#/experiments/{experiment}/runs?viewStateShareKey={key}&workflowType=machine_learning"
+
+
 @contextlib.contextmanager
 def run(name: str, tags: Mapping[str, str]) -> Iterator[mlflow.ActiveRun]:
     """An MLflow run that ends FINISHED, FAILED on an exception, or KILLED on Ctrl-C or SIGTERM

@@ -25,7 +25,7 @@ pytestmark = pytest.mark.skipif(CHROMIUM is None, reason="chromium is not instal
 ENV = dict(os.environ, PYTHONWARNINGS="ignore")
 FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
          "--disable-background-networking", "--disable-component-update", "--disable-sync",
-         "--hide-scrollbars", "--window-size=1280,800"]
+         "--hide-scrollbars"]
 
 
 def png_size(data: bytes) -> tuple[int, int]:
@@ -40,9 +40,10 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def render(url: str, shot: Path, profile: Path, wait_ms: int = 8000) -> str:
+def render(url: str, shot: Path, profile: Path, wait_ms: int = 8000, size: str = "1280,800") -> str:
     """The DOM Chromium renders at ``url`` (after ``wait_ms`` of page time); a PNG screenshot to ``shot``."""
-    proc = subprocess.run([CHROMIUM, *FLAGS, f"--user-data-dir={profile}", f"--virtual-time-budget={wait_ms}",
+    proc = subprocess.run([CHROMIUM, *FLAGS, f"--window-size={size}", f"--user-data-dir={profile}",
+                           f"--virtual-time-budget={wait_ms}",
                            f"--screenshot={shot}", "--dump-dom", url],
                           capture_output=True, text=True, timeout=120)
     assert shot.is_file(), proc.stderr[-2000:]
@@ -129,6 +130,25 @@ def test_runs_table_and_run_page_in_chromium(sweep, server, shots, tmp_path):
     for shown in ("excess_risk.noisyhead", "regime.N", "eps"):  # short headline metric and params
         assert shown in text, shown
     assert png_size((shots / "runs_table.png").read_bytes()) == (1280, 800)
+
+
+def test_the_printed_runs_table_link_shows_the_swept_values_and_headline_metrics(sweep, server, shots, tmp_path):
+    """The sweep prints a link to its runs table in a shared view (MLflow keeps a user's own column
+    choice in the browser only): the sweep's cells, with N, eps, T, B and excess risk as columns."""
+    _, _, proc = sweep
+    link = re.search(r"the sweep's runs table: http://\S+?(/#/experiments/\S+)", proc.stdout)
+    assert link and "viewStateShareKey=" in link.group(1), proc.stdout[-1500:]
+    dom = render(server + link.group(1), shots / "runs_table_view.png", tmp_path / "profile4", size="1920,800")
+    text = visible_text(dom)
+    assert "shared view" in text  # MLflow's banner: the view came from the server
+    header = re.search(r"Run Name.*?sweep lowdim \(2 cells\)", text)  # the column headers, then the sweep's row
+    assert header, text[-1500:]
+    for shown in ("excess_risk.noisyhead", " B ", " N ", " T ", " eps "):
+        assert shown in header.group(0), shown
+    # without the view, the same page shows none of these columns
+    plain = visible_text(render(server + link.group(1).split("?")[0] + "?workflowType=machine_learning",
+                                shots / "runs_table_plain.png", tmp_path / "profile5", size="1920,800"))
+    assert "excess_risk.noisyhead" not in plain and " eps " not in plain
 
 
 def test_report_html_renders_with_its_figures(sweep, shots, tmp_path):

@@ -35,8 +35,24 @@ def output_dir() -> Path:
         return Path.cwd()
 
 
+HEADLINE_PARAMS = ("model", "clipping", "eps", "lr", "B", "seed")  # the runs table's columns for a sweep
+
+
 def cell_name(cfg: DictConfig) -> str:
-    return f"{cfg.dataset.name} {cfg.model.name} {cfg.clipping.name} eps={cfg.privacy.eps:g}"
+    return (f"{cfg.dataset.name} {cfg.model.name} {cfg.clipping.name} eps={cfg.privacy.eps:g} "
+            f"lr={cfg.seqrec.lr:g} B={cfg.seqrec.batch_size} seed={cfg.seed}")
+
+
+def headline_params(cfg: DictConfig) -> dict:
+    """Short params, the same for every cell of every next-item sweep (``HEADLINE_PARAMS``)."""
+    values = (cfg.model.name, cfg.clipping.name, cfg.privacy.eps, cfg.seqrec.lr, cfg.seqrec.batch_size, cfg.seed)
+    return dict(zip(HEADLINE_PARAMS, values))
+
+
+def headline_metrics(rows: list[dict], method: str, k: int) -> dict:
+    """``test_ndcg<k>``, ``test_hit<k>``, ``valid_ndcg<k>`` of the trained model, named alike for every model."""
+    return {f"{r['split']}_{key}": r[key] for r in rows if r["method"] == method
+            for key in (f"ndcg{k}", f"hit{k}") if r.get(key) is not None and not (r["split"] == "valid" and key.startswith("hit"))}
 
 
 def run(cfg: DictConfig) -> Path:
@@ -59,6 +75,7 @@ def run(cfg: DictConfig) -> Path:
     k = int(cfg.seqrec.k)
     with tracking.run(name, tags) as active:
         mlflow.log_text(OmegaConf.to_yaml(cfg, resolve=True), "config.yaml")
+        mlflow.log_params(headline_params(cfg))
         tracking.log_params("data", {**seqs.stats(), "L": seqs.L, "seed": cfg.seed})
         tracking.log_params("train", {
             "model": cfg.model.name, "clipping": cfg.clipping.name, "rule": cfg.clipping.rule,
@@ -86,6 +103,7 @@ def run(cfg: DictConfig) -> Path:
             "delta": run_plan.delta, "sigma": run_plan.sigma, "batch_size": run_plan.batch_size,
             "lr": float(cfg.seqrec.lr), "epochs": int(cfg.seqrec.epochs), "L": seqs.L, "seed": int(cfg.seed),
             **row} for row in rows])
+        mlflow.log_metrics(headline_metrics(rows, cfg.model.name, k))
         for row in rows:
             tracking.log_metrics(f"evaluate.{row['method']}", {f"{row['split']}_{key}": row[key]
                                                                for key in (f"ndcg{k}", f"hit{k}") if row.get(key) is not None})

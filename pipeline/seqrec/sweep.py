@@ -34,7 +34,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from pipeline import report as reporting
 from pipeline import sweep
-from pipeline.seqrec import plot
+from pipeline.seqrec import cell, plot
 
 log = logging.getLogger(__name__)
 
@@ -149,8 +149,8 @@ def histories(cells: sweep.Cells) -> pd.DataFrame:
         path = folder / "history.csv"
         if not path.exists():
             continue
-        cell = pd.read_csv(folder / "results.csv")
-        row = cell[~cell["method"].isin(BASELINES)].iloc[0]
+        found = pd.read_csv(folder / "results.csv")
+        row = found[~found["method"].isin(BASELINES)].iloc[0]
         h = pd.read_csv(path)
         for key in ("method", "clipping", "eps", "lr", "batch_size", "seed"):
             h[key] = row[key]
@@ -204,9 +204,11 @@ def summarise(config: DictConfig, sweep_id: str, sweep_dir: Path, cells: sweep.C
     metrics = {f"{row.model.replace(f' ({NON_PRIVATE})', '.nonprivate')}.eps_{eps_label(row.eps)}.test_ndcg{k}":
                row._asdict()[f"ndcg{k}_mean"]
                for row in long[long["model"] != "popular"].itertuples()}
-    parent = sweep.parent_run(config, sweep_id, sweep_dir, cells, f"{name} ({len(cells.done)} cells)",
+    print(f"\n{name}: {text}\nreport: {page}", flush=True)
+    sweep.parent_run(config, sweep_id, sweep_dir, cells, f"{name} ({len(cells.done)} cells)",
                               list(map(str, artifacts)), {"dataset": config.dataset.name},
-                              {key.replace("=", "_"): v for key, v in metrics.items() if not math.isnan(v)}, text)
+                              {key.replace("=", "_"): v for key, v in metrics.items() if not math.isnan(v)}, text,
+                              (list(cell.HEADLINE_PARAMS), [f"test_ndcg{k}", f"test_hit{k}"]))
     if config.report.dir:
         out = Path(config.report.dir)
         out.mkdir(parents=True, exist_ok=True)
@@ -214,6 +216,5 @@ def summarise(config: DictConfig, sweep_id: str, sweep_dir: Path, cells: sweep.C
             shutil.copyfile(path, out / Path(path).name)
         (out / "metrics.json").write_text(json.dumps({"cells": len(cells.done), **metrics}, indent=2, sort_keys=True)
                                           + "\n")
-    print(f"\n{name}: {text}\nreport: {page}\nMLflow parent run {parent}: "
-          f"{sweep.tracking.ui_address(config, parent)}", flush=True)
+
     log.info("sweep of %d cells: wrote %s", len(cells.done), ", ".join(str(p) for p in artifacts))
