@@ -43,8 +43,8 @@ def side_by_side(trials: int) -> None:
     from hydra import compose, initialize_config_dir
 
     from benchmarks import baseline_numpy
-    from pipeline import config, data, evaluate
-    from pipeline.methods import ESTIMATORS
+    from pipeline.noisyhead import config, data, evaluate
+    from pipeline.noisyhead.methods import ESTIMATORS
 
     def cfg_for(B: int):
         with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):

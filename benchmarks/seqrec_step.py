@@ -160,7 +160,7 @@ def worker(engine: str, model_name: str, B: int, L: int, M: int, repeats: int, t
     import torch
     from omegaconf import OmegaConf
 
-    from pipeline.seqrec import clipping, models, train
+    from pipeline.seqrec import clipping, train
 
     warnings.filterwarnings("ignore")
     if threads:
@@ -170,7 +170,7 @@ def worker(engine: str, model_name: str, B: int, L: int, M: int, repeats: int, t
     d = 32 if model_name.endswith("_half") else 64
     mcfg = OmegaConf.create(dict(arch="transformer", tied=model_name == "transformer", d=d, heads=1, blocks=2,
                                  d_ff=4 * d, layers=1, dropout=0.2, init_std=0.02))
-    model = models.build(mcfg, M, L).to(dev)
+    model = train.build(mcfg, M, L).to(dev)
     name, _, sum_by = engine.partition("/")  # phantom/backward: the clipped sum by a second backward pass
     ccfg = OmegaConf.create(dict(name=name, rule="automatic", C=1.0, gamma=0.01, norm_form="auto",
                                  sum_by=sum_by or "bookkeeping"))

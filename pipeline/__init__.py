@@ -1,4 +1,5 @@
-"""Differentially private in-context learning: the NoisyHead pipeline."""
+"""Differentially private attention: two tasks (NoisyHead, pipeline/noisyhead/; DPFormer, pipeline/seqrec/)
+on shared machinery (this package's modules; README, "Layout")."""
 
 import uuid
 

@@ -1,19 +1,20 @@
-"""``python -m pipeline [overrides] [-m]``: compose the config, validate it, run the cell."""
+"""``python -m pipeline [overrides] [-m]``: compose the config, look up its task, run the cell."""
 
 import sys
 
 import hydra
 from omegaconf import DictConfig
 
-from pipeline.config import ConfigError
+from pipeline.validation import ConfigError
 
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="config")
 def main(cfg: DictConfig) -> None:
-    from pipeline import tasks  # here: a refused config does not wait for MLflow and plotting to load
+    from pipeline import preflight, tasks  # here: a refused config does not wait for MLflow and plotting to load
 
     try:
-        tasks.run(cfg)
+        checked = preflight.checked(cfg)  # done once: before Hydra made the folder, or by the sweeper
+        tasks.get(cfg).run_cell(cfg, checked)
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         sys.exit(2)

@@ -1,14 +1,16 @@
-"""Checks of the environment a cell will run in, before anything is computed or logged.
+"""Checks of a cell before anything is computed or logged: its config, by its task's rules
+(``Task.validate``), and the environment the values point at: that the output folder can be
+written, that the MLflow store can be reached (a server answers within
+``mlflow.connect_timeout`` seconds) and written (a local store's database and artifact folders),
+and that the cell's tensors fit in the memory that is available (the task's estimate,
+``Task.memory``, times the cells a joblib sweep runs at once, against MemAvailable and any cgroup
+limit). Each refusal is a ``ConfigError`` naming the key, which the entry point prints as one
+``error:`` line (exit 2).
 
-``config.validate`` checks the values of a config; this module checks what the values point
-at: that the output folder can be written, that the MLflow store can be reached (a server
-answers within ``mlflow.connect_timeout`` seconds) and written (a local store's database and
-artifact folders), and that the cell's tensors fit in the memory that is available (an
-estimate from the shapes, against MemAvailable and any cgroup limit). Each refusal is a
-``ConfigError`` naming the key, which the entry point prints as one ``error:`` line (exit 2).
-
-Called at the top of ``pipeline.cell.run``, by the validating sweeper for every cell of a sweep
-before any job starts, and by ``PreflightCallback`` before Hydra creates a single run's folder.
+``check`` runs once per cell and process: for a single run in ``PreflightCallback``, before Hydra
+creates the run's folder; for a sweep in the validating sweeper, for every cell before any job
+starts. The entry point then takes the result with ``checked`` (a cell in a joblib or submitit
+worker, another process, is checked there).
 """
 
 from __future__ import annotations
@@ -23,23 +25,41 @@ from typing import Any
 from urllib.parse import unquote, urlparse
 
 from hydra.experimental.callback import Callback
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
-from pipeline.config import ConfigError, Constants
+from pipeline import tasks
+from pipeline.task import Memory
+from pipeline.validation import ConfigError
 
 _PORTS = {"http": 80, "https": 443, "postgresql": 5432, "mysql": 3306, "mssql": 1433}
 
 
-def check(cfg: DictConfig, const: Constants | None, output: str | Path | None = None, key: str | None = None) -> None:
-    """Every environment check for one cell; ``output`` (named ``key``) is its output folder
-    (default: the Hydra job's, or the working directory outside Hydra). ``const`` None (a task
-    with no memory model, DPFormer's): the memory check is skipped."""
+_CHECKED: dict[str, Any] = {}  # a config's text -> what its task's validate derived, for the cells checked here
+
+
+def _fingerprint(cfg: DictConfig) -> str:
+    return OmegaConf.to_yaml({k: v for k, v in cfg.items() if k != "hydra"})
+
+
+def check(cfg: DictConfig, output: str | Path | None = None, key: str | None = None, concurrent: int = 1) -> Any:
+    """Every check of one cell: its task's validation, then its output folder ``output`` (named
+    ``key``; default: the Hydra job's, or the working directory outside Hydra), the MLflow store,
+    and its memory (times ``concurrent`` cells at once). Returns what the validation derived."""
+    task = tasks.get(cfg)
+    found = task.validate(cfg)
     if output is None:
         output, key = _job_output()
     folder(output, key or "output folder")
     tracking_store(cfg)
-    if const is not None:
-        memory(cfg, const)
+    memory(cfg, task.memory(cfg, found), concurrent)
+    _CHECKED[_fingerprint(cfg)] = found
+    return found
+
+
+def checked(cfg: DictConfig) -> Any:
+    """What ``check`` derived for this config in this process, or ``check`` now (a worker's cell)."""
+    key = _fingerprint(cfg)
+    return _CHECKED[key] if key in _CHECKED else check(cfg)
 
 
 def _job_output() -> tuple[Path, str]:
@@ -177,43 +197,6 @@ def available_memory() -> int | None:
     return found
 
 
-def memory_needed(cfg: DictConfig, const: Constants) -> dict[str, int]:
-    """An estimate, in bytes, of the cell's largest tensors: ``prompts`` (features of every trial:
-    raw, clipped and private training views, test prompts, and an attack's copies), ``chunk``
-    (the largest temporary of one chunk of trials in any estimator) and ``fits`` (the estimates)."""
-    from pipeline.methods import ESTIMATORS, ridge
-    from pipeline.methods.noisyhead import horizons
-
-    item = 8 if cfg.compute.dtype == "float64" else 4
-    B, N, L, D = int(cfg.trials), const.N, const.L, const.D
-    n_test = int(cfg.dataset.n_test)
-    chunk = min(int(cfg.compute.chunk_trials), B)
-    per_prompt = (2 * D + 1) * item  # q, v, y
-    prompts = B * (2 * N * per_prompt + N * D * item + n_test * per_prompt)
-    attacked = cfg.attack.name != "none"
-    if attacked:
-        prompts += B * 2 * N * per_prompt
-    d = D * D
-    work = [chunk * N * d * item]  # vec(Z) of a chunk: the gram, the direct solves
-    if not ridge._primal_cost(N, D) <= ridge._dual_cost(N, D):
-        work.append(chunk * N * N * item)  # the dual system
-    else:
-        work.append(2 * chunk * d * d * item)  # the gram and the normal equations
-    fits = 0
-    for spec in cfg.method.values():
-        module = ESTIMATORS[spec.estimator]
-        Ts = horizons(spec, const, cfg) if spec.estimator == "noisyhead" else const.T
-        if spec.estimator == "noisyhead":
-            work.append(chunk * max(Ts) * d * (4 + item))  # the standard normals of every step
-        if spec.estimator == "dpsgd":
-            work.append(chunk * max(Ts) * (N + d) * (4 + item))  # the Poisson batches and the noise
-        if spec.estimator == "ssp":
-            work.append(chunk * d * d * (4 + 3 * item))  # W, sym(W), the noisy system
-        horizons_out = len(Ts) if spec.estimator in ("noisyhead", "gd", "dpsgd") else 1
-        fits += B * horizons_out * d * item * (3 if attacked and module.PRIVATE else 2 if attacked else 1)
-    return {"prompts": prompts, "chunk": max(work), "fits": fits}
-
-
 def _size(n: float) -> str:
     for unit, scale in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6)):
         if n >= scale:
@@ -221,24 +204,35 @@ def _size(n: float) -> str:
     return f"{n / 1e3:.3g} kB"
 
 
-def memory(cfg: DictConfig, const: Constants) -> None:
+def jobs(cfg: DictConfig) -> int:
+    """Cells that run at once on this machine: joblib's ``n_jobs`` (-1: every core, -k: all but
+    k - 1), else 1 (the basic launcher runs one after another; submitit's jobs run elsewhere)."""
+    launcher = cfg.get("hydra", {}).get("launcher", {}) if "hydra" in cfg else {}
+    if "joblib" not in str(launcher.get("_target_", "")):
+        return 1
+    n = launcher.get("n_jobs")
+    cores = os.cpu_count() or 1
+    if n is None:
+        return 1
+    n = int(n)
+    return max(1, cores + 1 + n) if n < 0 else max(1, n)
+
+
+def memory(cfg: DictConfig, need: Memory | None, concurrent: int = 1) -> None:
+    """Refuse a cell whose tensors (``need``, the task's estimate), times the cells that run at
+    once (``concurrent``), exceed the memory available."""
     available = available_memory()
-    if available is None:
+    if available is None or need is None:
         return
-    need = memory_needed(cfg, const)
-    total = sum(need.values())
+    total = need.total * concurrent
     if total <= available:
         return
-    if need["chunk"] > need["prompts"] + need["fits"]:
-        key, value, advice = "compute.chunk_trials", cfg.compute.chunk_trials, "lower compute.chunk_trials"
-    elif const.N >= int(cfg.trials):
-        key, value, advice = "regime.N", const.N, f"lower regime.N or trials (= {cfg.trials})"
-    else:
-        key, value, advice = "trials", cfg.trials, f"lower trials or regime.N (= {const.N})"
+    parts = ", ".join(f"{name} {_size(size)}" for name, size in need.parts.items())
+    at_once = f" x {concurrent} cells at once (hydra.launcher.n_jobs)" if concurrent > 1 else ""
+    advice = need.advice + (" or hydra.launcher.n_jobs" if concurrent > 1 else "")
     raise ConfigError(
-        f"{key} = {value!r}: the cell's tensors need about {_size(total)} of memory (prompts {_size(need['prompts'])}, "
-        f"largest chunk temporary {_size(need['chunk'])}, estimates {_size(need['fits'])}) and "
-        f"{_size(available)} are available; {advice}"
+        f"{need.key} = {need.value!r}: the cell's tensors need about {_size(need.total)} of memory ({parts}){at_once} "
+        f"and {_size(available)} are available; {advice}"
     )
 
 
@@ -250,9 +244,7 @@ class PreflightCallback(Callback):
     (the validating sweeper then checks every cell, values and memory, before any job starts)."""
 
     def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
-        from pipeline.tasks import validate
-
-        _exit_on_error(lambda: check(config, validate(config), Path(str(config.hydra.run.dir)), "hydra.run.dir"))
+        _exit_on_error(lambda: check(config, Path(str(config.hydra.run.dir)), "hydra.run.dir"))
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
         def environment() -> None:

@@ -2,7 +2,7 @@
 
 Everything privacy-critical is here, stated as formulas with their source, so
 that "where is the noise calibrated" has one answer. The noise itself is drawn
-where the mechanism runs (``pipeline/methods/noisyhead.py``).
+where the mechanism runs (``pipeline/noisyhead/methods/noisyhead.py``).
 
 Neighbouring prompt sets differ in one prompt (replace-one, Definition 3.1).
 """

@@ -1,42 +1,48 @@
-"""The two tasks behind one entry point: ``task: noisyhead`` (the default: pipeline/cell.py) and
-``task: seqrec`` (DPFormer's next-item prediction: pipeline/seqrec/cell.py, set by the
-``experiment=dpformer_*`` presets). The entry point, the validating sweeper and the sweep callback
-dispatch here."""
+"""The task registry: the one place that knows every task, by name.
+
+``task: noisyhead`` (the default: NoisyHead's in-context learning, ``pipeline/noisyhead/``) and
+``task: seqrec`` (DPFormer's next-item prediction, ``pipeline/seqrec/``, set by the
+``experiment=dpformer_*`` presets). Each entry names the module whose ``TASK`` implements
+``pipeline.task.Task``, imported only when the task is used (a refused config does not wait
+for MLflow or torch to load), and the task's config groups, ``conf/<name>/`` (Hydra's search
+path: ``hydra_plugins/pipeline_sweeper/searchpath.py``). Adding a task: README, "Adding a task".
+"""
 
 from __future__ import annotations
 
+import importlib
 from pathlib import Path
 
 from omegaconf import DictConfig
 
-from pipeline.config import ConfigError
+from pipeline.task import Task
+from pipeline.validation import ConfigError
 
-TASKS = ("noisyhead", "seqrec")
+CONF = Path(__file__).resolve().parents[1] / "conf"
+TASKS = {  # name -> the module whose TASK implements it
+    "noisyhead": "pipeline.noisyhead.task",
+    "seqrec": "pipeline.seqrec.task",
+}
+DEFAULT = "noisyhead"
 
 
-def task(cfg: DictConfig) -> str:
-    name = cfg.get("task", "noisyhead")
-    if name not in TASKS:
-        raise ConfigError(f"task {name!r} is unknown; known: {list(TASKS)}")
-    return name
+def name(cfg: DictConfig) -> str:
+    found = cfg.get("task", DEFAULT)
+    if found not in TASKS:
+        raise ConfigError(f"task {found!r} is unknown; known: {list(TASKS)}")
+    return found
+
+
+def get(cfg: DictConfig) -> Task:
+    """The task ``cfg.task`` names (ConfigError if none does)."""
+    return importlib.import_module(TASKS[name(cfg)]).TASK
 
 
 def validate(cfg: DictConfig):
-    """The task's own validation; returns NoisyHead's derived constants (None for seqrec), which
-    ``pipeline.preflight`` uses to estimate a cell's memory."""
-    if task(cfg) == "seqrec":
-        from pipeline.seqrec.config import validate as check
-
-        check(cfg)
-        return None
-    from pipeline.config import validate as check
-
-    return check(cfg)
+    """The config's task's own validation (``Task.validate``)."""
+    return get(cfg).validate(cfg)
 
 
-def run(cfg: DictConfig) -> Path:
-    if task(cfg) == "seqrec":
-        from pipeline.seqrec import cell
-    else:
-        from pipeline import cell
-    return cell.run(cfg)
+def conf_dirs() -> list[Path]:
+    """Where each task's config groups live: ``conf/<name>/``."""
+    return [CONF / task for task in TASKS]

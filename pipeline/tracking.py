@@ -96,16 +96,35 @@ def setup(cfg: DictConfig) -> None:
             mlflow.MlflowClient().set_experiment_tag(experiment.experiment_id, KIND_TAG, str(kind))
 
 
+def output_dir() -> Path:
+    """The folder of the running Hydra job (a single run's or a sweep cell's); outside a Hydra app
+    (tests, notebooks), the working directory."""
+    from hydra.core.hydra_config import HydraConfig
+
+    try:
+        return Path(HydraConfig.get().runtime.output_dir)
+    except ValueError:
+        return Path.cwd()
+
+
+def _ui_base(cfg: DictConfig) -> tuple[str, bool]:
+    """The UI's address, and whether it is the tracking server itself (else ``mlflow.ui``, where
+    ``mlflow ui`` serves a local store)."""
+    uri = mlflow.get_tracking_uri()
+    if uri.startswith(("http://", "https://")):
+        return uri.rstrip("/"), True
+    return str(cfg.mlflow.get("ui") or "http://127.0.0.1:5000").rstrip("/"), False
+
+
 def ui_address(cfg: DictConfig, run_id: str) -> str:
     """Where a run is shown: the tracking server's page, or the page `mlflow ui` serves for a local store."""
-    uri = mlflow.get_tracking_uri()
+    base, served = _ui_base(cfg)
     experiment = mlflow.get_run(run_id).info.experiment_id
-    base = uri if uri.startswith(("http://", "https://")) else str(cfg.mlflow.get("ui") or "http://127.0.0.1:5000")
     # workflowType: MLflow 3's UI otherwise shows its GenAI navigation (runs as "Evaluations")
-    page = f"{base.rstrip('/')}/#/experiments/{experiment}/runs/{run_id}?workflowType=machine_learning"
-    if base is uri:
+    page = f"{base}/#/experiments/{experiment}/runs/{run_id}?workflowType=machine_learning"
+    if served:
         return page
-    return f"{page}  (after: mlflow ui --backend-store-uri {uri})"
+    return f"{page}  (after: mlflow ui --backend-store-uri {mlflow.get_tracking_uri()})"
 
 
 VIEW_TAG = "mlflow.sharedViewState."  # + a key: an experiment tag MLflow's UI opens as a "shared view"
@@ -127,9 +146,8 @@ def share_view(parent: str, sweep: str, params: list[str], metrics: list[str]) -
 
 def view_address(cfg: DictConfig, experiment: str, key: str) -> str:
     """The runs table of ``experiment`` in the shared view ``key`` (see ``share_view``)."""
-    uri = mlflow.get_tracking_uri()
-    base = uri if uri.startswith(("http://", "https://")) else str(cfg.mlflow.get("ui") or "http://127.0.0.1:5000")
-    return f"{base.rstrip('/')}/#/experiments/{experiment}/runs?viewStateShareKey={key}&workflowType=machine_learning"
+    base, _ = _ui_base(cfg)
+    return f"{base}/#/experiments/{experiment}/runs?viewStateShareKey={key}&workflowType=machine_learning"
 
 
 @contextlib.contextmanager

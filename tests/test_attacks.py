@@ -5,8 +5,8 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from pipeline import attacks, config, data, evaluate
-from pipeline.features import from_tokens
+from pipeline.noisyhead import attacks, config, data, evaluate
+from pipeline.noisyhead.features import from_tokens
 
 D64 = torch.float64
 
@@ -55,7 +55,7 @@ def test_perturb_replaces_exactly_the_chosen_prompts(attacked_setup):
 def test_a_null_perturbation_has_zero_shared_noise_risk(cfg_for):
     """mu = 0 and c = 0 leave the prompts as they are: with shared draws the attacked run is the
     clean run (risk exactly 0); with independent draws the risk is the noise's alone."""
-    from pipeline import train
+    from pipeline.noisyhead import train
 
     cfg = cfg_for("attack=perturb", "attack.mu=0", "attack.c=0", "trials=5", "regime.N=40",
                   "dataset.n_test=10", "method=[ridge,noisyhead]")

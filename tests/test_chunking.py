@@ -4,8 +4,9 @@ import numpy as np
 import pytest
 import torch
 
-from pipeline import config, data, evaluate, rng
-from pipeline.methods import ESTIMATORS
+from pipeline import rng
+from pipeline.noisyhead import config, data, evaluate
+from pipeline.noisyhead.methods import ESTIMATORS
 
 METHODS = "method=[ridge,gd,noisyhead,noisyhead_tight,dp_ridge,ssp,dpsgd]"
 

@@ -4,7 +4,7 @@ import mlflow
 import pandas as pd
 import pytest
 
-from pipeline.evaluate import COLUMNS
+from pipeline.noisyhead.evaluate import COLUMNS
 
 TINY = ["trials=4", "regime.N=60", "dataset.n_test=20", "compute.chunk_trials=3"]
 

@@ -5,8 +5,8 @@ import math
 import pytest
 from omegaconf import OmegaConf
 
-from pipeline import config
-from pipeline.config import ConfigError
+from pipeline.noisyhead import config
+from pipeline.validation import ConfigError
 
 
 def test_default_is_the_papers_low_dimensional_cell(cfg_for):
@@ -132,7 +132,7 @@ def test_methods_are_a_config_group(cfg_for):
 def test_every_regime_constant_is_documented_in_yaml():
     from pathlib import Path
 
-    for path in Path(__file__).parents[1].glob("conf/regime/*.yaml"):
+    for path in Path(__file__).parents[1].glob("conf/noisyhead/regime/*.yaml"):
         lines = path.read_text().splitlines()
         regime = OmegaConf.load(path).regime
         for key in regime:

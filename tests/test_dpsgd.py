@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from pipeline import privacy
-from pipeline.features import Features
-from pipeline.methods import dpsgd
+from pipeline.noisyhead.features import Features
+from pipeline.noisyhead.methods import dpsgd
 
 D64 = torch.float64
 

@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pipeline import newsgroups
+from pipeline.noisyhead import newsgroups
 
 ROOT = Path(__file__).resolve().parents[1]
 NEWSGROUPS = ("dataset=newsgroups", "regime=newsgroups", "privacy.eps=0.5")

@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from pipeline import rng
-from pipeline.features import Features, project_frobenius
-from pipeline.methods import closed_form, ridge
-from pipeline.methods.descent import Quadratic, descend, run
+from pipeline.noisyhead.features import Features, project_frobenius
+from pipeline.noisyhead.methods import closed_form, ridge
+from pipeline.noisyhead.methods.descent import Quadratic, descend, run
 
 D64 = torch.float64
 
@@ -139,8 +139,8 @@ def test_frobenius_projection():
 
 
 def test_the_same_seed_gives_the_same_numbers(cfg_for):
-    from pipeline import config, data
-    from pipeline.methods import ESTIMATORS
+    from pipeline.noisyhead import config, data
+    from pipeline.noisyhead.methods import ESTIMATORS
 
     cfg = cfg_for("trials=3", "regime.N=50", "dataset.n_test=10", "compute.chunk_trials=2")
     const = config.validate(cfg)
@@ -155,7 +155,7 @@ def test_the_same_seed_gives_the_same_numbers(cfg_for):
 
 
 def test_synthetic_prompts_follow_the_model(cfg_for):
-    from pipeline import config, data
+    from pipeline.noisyhead import config, data
 
     cfg = cfg_for("trials=40", "regime.N=200", "regime.D=4", "regime.L=8")
     const = config.validate(cfg)
@@ -223,7 +223,7 @@ def test_series_terms_bound_the_tail():
 
 
 def test_features_from_tokens_follow_equation_2_5():
-    from pipeline.features import from_tokens
+    from pipeline.noisyhead.features import from_tokens
 
     g = torch.Generator().manual_seed(5)
     L, D = 4, 3
@@ -246,7 +246,7 @@ def test_bound_horizon_minimises_theorem_4_1s_bound():
     from types import SimpleNamespace
 
     from pipeline import privacy
-    from pipeline.methods import noisyhead
+    from pipeline.noisyhead.methods import noisyhead
 
     const = SimpleNamespace(N=1000, D=5, lam=5.0, eta0=0.0649, R=23.5, sigma=106.1)
     eps, delta = 0.2, 1e-5

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from pipeline import config, data, newsgroups
+from pipeline.noisyhead import config, data, newsgroups
 
 WORDS = "privacy attention prompt noise gradient ridge query token head clip project sphere".split()
 

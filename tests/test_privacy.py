@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from pipeline import privacy, rng
-from pipeline.features import Features, from_tokens, privatize
-from pipeline.methods.descent import Quadratic, descend, update
+from pipeline.noisyhead.features import Features, from_tokens, privatize
+from pipeline.noisyhead.methods.descent import Quadratic, descend, update
 
 C, G, R, LAM, ETA0 = 2.0, 0.8, 5.0, 0.5, 0.05
 SIGMA = privacy.noisyhead_sensitivity(C=C, G=G, R=R)
@@ -88,7 +88,7 @@ def test_injected_noise_has_the_calibrated_std():
 
 def _ridge_gap(params, C, G, mu, D):
     """Parametrised neighbouring sets (prompt 0 differs) -> ||Gamma - Gamma'|| of the penalised ridge."""
-    from pipeline.methods import ridge
+    from pipeline.noisyhead.methods import ridge
 
     raw_q, raw_v, raw_y = params
     q = raw_q / raw_q.norm(dim=-1, keepdim=True)
@@ -131,7 +131,7 @@ def test_output_perturbed_ridge_sensitivity_bound_holds_at_worst_case_neighbours
 def test_output_perturbed_ridge_noise_calibrations():
     from types import SimpleNamespace
 
-    from pipeline.methods import dp_ridge
+    from pipeline.noisyhead.methods import dp_ridge
 
     const = SimpleNamespace(C=4.5, G=1.4, N=2000, lam=5.0)
     eps, delta, mu = 0.2, 1e-5, 5.0
@@ -224,8 +224,8 @@ def test_ssp_sensitivity_is_exact(C, G):
 
 def test_ssp_without_noise_is_the_ridge_solution_on_the_private_view(cfg_for):
     """noise_scale = 0 removes the noise; what is left must be the oracle's system on the private view."""
-    from pipeline import config, data
-    from pipeline.methods import ridge, ssp
+    from pipeline.noisyhead import config, data
+    from pipeline.noisyhead.methods import ridge, ssp
 
     cfg = cfg_for("trials=6", "regime.N=200", "method=[ridge,ssp]", "method.ssp.noise_scale=0.0")
     const = config.validate(cfg)
@@ -245,8 +245,8 @@ def test_ssp_noise_bound_holds_and_the_adaptive_penalty_keeps_the_system_definit
     every trial and the adaptive one in none; with small noise both are the same estimator."""
     from omegaconf import OmegaConf
 
-    from pipeline import config, data
-    from pipeline.methods import ssp
+    from pipeline.noisyhead import config, data
+    from pipeline.noisyhead.methods import ssp
 
     gen = torch.Generator().manual_seed(3)
     W = torch.randn(200, 64, 64, generator=gen, dtype=torch.float64)
@@ -274,8 +274,8 @@ def test_output_perturbed_ridge_logs_the_eps_its_noise_buys(cfg_for):
     well above it for the printed one (Table 1's setting: eps = 0.2 claimed)."""
     from omegaconf import OmegaConf
 
-    from pipeline import config, data
-    from pipeline.methods import dp_ridge
+    from pipeline.noisyhead import config, data
+    from pipeline.noisyhead.methods import dp_ridge
 
     cfg = cfg_for("trials=2", "regime.N=2000", "method=[ridge,dp_ridge]", "oracle=printed")
     const = config.validate(cfg)

@@ -12,7 +12,8 @@ import pytest
 from omegaconf import OmegaConf
 
 from hydra_plugins.pipeline_sweeper.validating_sweeper import swept_keys
-from pipeline import cell, plot, report, sweep, tracking
+from pipeline import plot, report, sweep, tracking
+from pipeline.noisyhead import cell
 
 
 def rows(cells):
@@ -52,7 +53,7 @@ def test_swept_keys_are_those_that_vary_and_cell_names_carry_them(cfg_for):
     assert report.grid(jobs) == {"attack.c": ["2", "4"], "attack.p": ["2", "2.02"], "trials": ["20"]}
     cfg = cfg_for("experiment=fig4_robustness", "trials=3")
     s = tracking.Sweep(id="x", dir="/tmp", resume=False, overrides=tuple(jobs[1]), swept=("attack.c", "attack.p"))
-    from pipeline import config
+    from pipeline.noisyhead import config
     const = config.validate(cfg)
     assert cell.cell_name(cfg, const, s) == "fig4_robustness c=2 p=2.02"
     params = cell.headline_params(cfg, const, s)

@@ -5,7 +5,7 @@ import mlflow
 import pandas as pd
 import pytest
 
-from pipeline.config import ConfigError
+from pipeline.validation import ConfigError
 from pipeline.seqrec import config as seqconfig
 
 TINY = ["experiment=dpformer_ci", "dataset.n_users=80", "dataset.L=10", "seqrec.batch_size=40"]

@@ -7,7 +7,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from pipeline.seqrec import clipping, models
+from pipeline.seqrec import clipping, models, train
 from pipeline.seqrec.clipping import norms as norm_fns
 from pipeline.seqrec.clipping.phantom import Phantom, owners
 
@@ -29,7 +29,7 @@ def build(arch, tied, seed=1, d=8):
     torch.manual_seed(seed)
     cfg = OmegaConf.create(dict(arch=arch, d=d, heads=1, blocks=2, d_ff=16, dropout=0.0, tied=tied,
                                 init_std=0.3, layers=1))
-    return models.build(cfg, M, L).double().train()
+    return train.build(cfg, M, L).double().train()
 
 
 def brute_force(model, ids=IDS, targets=TARGETS):

@@ -8,7 +8,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from pipeline.config import ConfigError
+from pipeline.validation import ConfigError
 from pipeline.seqrec import data, metrics, synthetic
 
 ROOT = Path(__file__).resolve().parents[1]

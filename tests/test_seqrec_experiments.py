@@ -10,7 +10,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from pipeline.seqrec import attention, models, sweep, train
+from pipeline.seqrec import attention, sweep, train
 
 M, L = 30, 7
 
@@ -20,7 +20,7 @@ def build(arch="transformer", reattention=False, seed=0):
     cfg = dict(arch=arch, d=8, heads=2, blocks=2, d_ff=16, dropout=0.0, tied=True, init_std=0.5, layers=1)
     if reattention:
         cfg["reattention"] = {"presence": "public"}
-    return models.build(OmegaConf.create(cfg), M, L).double()
+    return train.build(OmegaConf.create(cfg), M, L).double()
 
 
 def users(n=23, seed=0):

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from omegaconf import OmegaConf
 
-from pipeline.seqrec import models, reattention as ra
+from pipeline.seqrec import models, reattention as ra, train
 from pipeline.seqrec.clipping.phantom import Phantom
 
 from test_seqrec_clipping import IDS, ROWS, TARGETS, L, M  # the clipping tests' users: repeats, padding, shared items
@@ -21,7 +21,7 @@ def build(reattention=True, blocks=2, dropout=0.0, d=8, seed=1):
                init_std=0.3, layers=1)
     if reattention:
         cfg["reattention"] = {"presence": "public"}
-    return models.build(OmegaConf.create(cfg), M, L).double()
+    return train.build(OmegaConf.create(cfg), M, L).double()
 
 
 def mc_moments(f, mu, std, n=1_000_000, seed=0):
@@ -202,7 +202,7 @@ TINY = ["experiment=dpformer_ci", "model=dpformer", "dataset.n_users=80", "datas
 
 def test_bad_reattention_settings_are_refused_naming_the_key(cfg_for):
     from pipeline import tasks
-    from pipeline.config import ConfigError
+    from pipeline.validation import ConfigError
 
     tasks.validate(cfg_for(*TINY))
     tasks.validate(cfg_for(*TINY, "model.reattention.presence=private"))

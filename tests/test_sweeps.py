@@ -21,7 +21,7 @@ ENV = dict(os.environ, PYTHONWARNINGS="ignore")
 # `python -m pipeline`, with the evaluation of every N = 60 cell failing at run time
 FAIL_AT_60 = """
 import sys
-from pipeline import evaluate
+from pipeline.noisyhead import evaluate
 real = evaluate.run
 def run(problem, fits, const, *rest):
     if const.N == 60:

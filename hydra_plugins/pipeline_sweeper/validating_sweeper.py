@@ -1,16 +1,17 @@
 """Hydra's basic sweeper, plus what the pipeline needs around a sweep, under any launcher
 (basic, ``hydra/launcher=joblib``, ``submitit_local``, ``submitit_slurm``):
 
-- every cell is composed and checked by ``pipeline.config.validate`` before any runs, so a bad
+- every cell is composed and checked by ``pipeline.preflight.check`` (its task's validation, its
+  folder, the store, its memory times the cells joblib runs at once) before any runs, so a bad
   value anywhere in a sweep stops it with one message before any compute;
 - the MLflow store is created and migrated once, here, before any job starts, and RUNNING runs
   left by an earlier launch into the same sweep folder are marked FAILED;
 - every cell gets the sweep's id and folder through its Hydra config (``hydra.sweeper.sweep_id``,
   ``hydra.sweep.dir``, made concrete here), which reaches joblib and submitit workers alike;
 - ``hydra.sweeper.resume=true``: cells whose job folder holds a FINISHED result of the same
-  resolved config are skipped (pipeline/cell.py), the rest run;
-- when the cells are done, ``pipeline.sweep`` writes the table, figure, report and parent run
-  from the cells of this sweep that finished; failed cells are named and the exit status is 1;
+  resolved config are skipped (``pipeline.tracking.begin_cell``), the rest run;
+- when the cells are done, ``pipeline.sweep`` and the task's ``summarise`` write the tables,
+  figures, report and parent run from the cells of this sweep that finished; failed cells are named and the exit status is 1;
 - Ctrl-C or SIGTERM ends the sweep's RUNNING runs as KILLED (joblib's workers are stopped);
   SIGTERM exits with 143.
 
@@ -83,14 +84,14 @@ class ValidatingSweeper(BasicSweeper):
 
     def validate_batch_is_legal(self, batch: Sequence[Sequence[str]]) -> None:
         from pipeline import preflight
-        from pipeline.config import ConfigError
-        from pipeline.tasks import validate
+        from pipeline.validation import ConfigError
 
         loader = self.hydra_context.config_loader
+        cells = sum(len(b) for b in self.overrides) if self.overrides else len(batch)
         for overrides in batch:
             cfg = loader.load_sweep_config(master_config=self.config, sweep_overrides=list(overrides))
-            try:
-                preflight.check(cfg, validate(cfg), str(cfg.hydra.sweep.dir), "hydra.sweep.dir")
+            try:  # the memory of the cells a joblib launcher runs at once
+                preflight.check(cfg, str(cfg.hydra.sweep.dir), "hydra.sweep.dir", min(preflight.jobs(cfg), cells))
             except ConfigError as err:
                 print(f"error: in the sweep cell {' '.join(overrides)}: {err}", file=sys.stderr)
                 sys.exit(2)

@@ -1,5 +1,5 @@
 """Canary-user privacy audit of one DP-SGD step of the next-item task: ``python -m pipeline.audit
-experiment=dpformer_ci`` (any config with ``task: seqrec``; ``pipeline/audit.py`` dispatches here).
+experiment=dpformer_ci`` (any config with ``task: seqrec``; ``pipeline/audit.py`` hands it here).
 
 What is audited. One DP-SGD step on a fixed batch of users releases S(D) + sigma C N(0, I), with
 S(D) = sum_i c_i g_i the clipping engine's clipped sum (``train.noisy_gradient``; dividing by the
@@ -24,7 +24,7 @@ one at its initialisation (``seed``), dropout off, so S is deterministic: each s
 by the real engine (``clipping.make``, ``engine.step``), and the ``audit.runs`` releases per batch
 only redraw the noise, full vectors (runs x parameters, in chunks of ``compute.chunk_trials``).
 Each release is projected on u = (S(D) - S(D')) / ||S(D) - S(D')||, the likelihood-ratio statistic
-of the Gaussian pair; u depends on no noise draw, so ``pipeline.audit.eps_lower_bound`` (threshold
+of the Gaussian pair; u depends on no noise draw, so ``pipeline.auditing.eps_lower_bound`` (threshold
 chosen on the first ``audit.select_fraction`` of the runs, Clopper-Pearson on the rest) stays a
 valid lower bound, and ``eps_power`` / ``verdict`` say whether a bound below the claim means
 anything.
@@ -51,9 +51,9 @@ import pandas as pd
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from pipeline import audit, cell, plot, privacy, rng, tracking
-from pipeline.config import ConfigError
-from pipeline.seqrec import clipping, config, data, models, train
+from pipeline import auditing, plot, privacy, rng, tracking
+from pipeline.validation import ConfigError
+from pipeline.seqrec import clipping, config, data, train
 from pipeline.seqrec.clipping.norms import NORMS
 from pipeline.seqrec.clipping.phantom import Phantom
 from pipeline.seqrec.models import TiedEmbedding
@@ -99,7 +99,7 @@ def validate(cfg: DictConfig) -> list[str]:
     """Check the config (the task's own checks, the audit's keys, the seqrec audit's); return the
     variants to audit."""
     config.validate(cfg)
-    audit.check_keys(cfg.audit)
+    auditing.check_keys(cfg.audit)
     s = cfg.audit.seqrec
     if s.users is not None:
         config._int(s.users, "audit.seqrec.users", 1)
@@ -141,7 +141,7 @@ def engine_for(variant: str, model, cfg: DictConfig):
 def model_for(cfg: DictConfig, seqs: data.Sequences, dtype) -> torch.nn.Module:
     """The audited model: the configured one at its initialisation (``seed``), dropout off."""
     torch.manual_seed(int(cfg.seed))
-    return models.build(OmegaConf.merge(cfg.model, {"dropout": 0.0}), seqs.n_items, seqs.L).to(dtype)
+    return train.build(OmegaConf.merge(cfg.model, {"dropout": 0.0}), seqs.n_items, seqs.L).to(dtype)
 
 
 def clipped_sum(variant: str, cfg: DictConfig, seqs: data.Sequences, rows: torch.Tensor, dtype) -> torch.Tensor:
@@ -167,7 +167,7 @@ def releases(S: torch.Tensor, u: torch.Tensor, *, std: float, runs: int, chunk: 
     return out
 
 
-def measure(variant: str, cfg: DictConfig, seqs, D: torch.Tensor, D_: torch.Tensor) -> tuple[dict, np.ndarray, np.ndarray, audit.Bound]:
+def measure(variant: str, cfg: DictConfig, seqs, D: torch.Tensor, D_: torch.Tensor) -> tuple[dict, np.ndarray, np.ndarray, auditing.Bound]:
     """One variant's audit, without logging: its row (bound, power, verdict, the canary's clipped
     norm and the step's true eps from it), and the statistic on both batches' releases."""
     a = cfg.audit
@@ -185,15 +185,15 @@ def measure(variant: str, cfg: DictConfig, seqs, D: torch.Tensor, D_: torch.Tens
     s_first, s_second = (releases(S, u, std=scale * sigma * C, runs=runs, chunk=chunk, seed=seed,
                                   stream=f"audit-seqrec:{variant}:{side}")
                          for S, side in ((first, "canary"), (second, "neighbour")))
-    bound = audit.eps_lower_bound(s_first, s_second, delta=delta, confidence=float(a.confidence),
+    bound = auditing.eps_lower_bound(s_first, s_second, delta=delta, confidence=float(a.confidence),
                                   select_fraction=float(a.select_fraction))
-    power = audit.eps_power(bound.held_out, float(a.power_factor) * eps, delta=delta, confidence=float(a.confidence))
+    power = auditing.eps_power(bound.held_out, float(a.power_factor) * eps, delta=delta, confidence=float(a.confidence))
     # the eps this step really has: a Gaussian mechanism with sensitivity ||c g|| and std scale sigma C
     true_eps = privacy.spent_epsilon(multiplier=scale * sigma * C / norm, T=1, delta=delta)
     row = {"method": f"{cfg.clipping.name}:{variant}", "variant": variant, "eps": eps, "delta": delta, "runs": runs,
            "noise_scale": scale, "sigma": sigma, "sigma_from": str(a.seqrec.sigma), "C": C, "users": D_.shape[0], "parameters": first.numel(),
            "canary_norm": norm, "eps_true": true_eps, **asdict(bound), "eps_power": power,
-           "verdict": audit.verdict(bound, eps, power)}
+           "verdict": auditing.verdict(bound, eps, power)}
     return row, s_first, s_second, bound
 
 
@@ -232,7 +232,7 @@ def run(cfg: DictConfig) -> pd.DataFrame:
     seqs = data.load(cfg.dataset, int(cfg.dataset.L), int(cfg.seed))
     users = min(int(cfg.audit.seqrec.users or cfg.seqrec.batch_size), seqs.n_users)
     D, D_, item = batches(seqs, users)
-    out = cell.output_dir()
+    out = tracking.output_dir()
     out.mkdir(parents=True, exist_ok=True)
     tracking.setup(cfg)
     table = pd.DataFrame([audit_variant(v, cfg, seqs, D, D_, item, out) for v in variants])

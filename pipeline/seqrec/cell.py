@@ -21,18 +21,9 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from pipeline import tracking
-from pipeline.seqrec import config, data, evaluate, plot, train
+from pipeline.seqrec import data, evaluate, plot, train
 
 log = logging.getLogger(__name__)
-
-
-def output_dir() -> Path:
-    try:
-        from hydra.core.hydra_config import HydraConfig
-
-        return Path(HydraConfig.get().runtime.output_dir)
-    except ValueError:  # outside a Hydra app
-        return Path.cwd()
 
 
 HEADLINE_PARAMS = ("model", "clipping", "eps", "lr", "B", "seed")  # the runs table's columns for a sweep
@@ -51,20 +42,21 @@ def headline_params(cfg: DictConfig) -> dict:
 
 def headline_metrics(rows: list[dict], method: str, k: int) -> dict:
     """``test_ndcg<k>``, ``test_hit<k>``, ``valid_ndcg<k>`` of the trained model, named alike for every model."""
-    return {f"{r['split']}_{key}": r[key] for r in rows if r["method"] == method
-            for key in (f"ndcg{k}", f"hit{k}") if r.get(key) is not None and not (r["split"] == "valid" and key.startswith("hit"))}
+    found = {f"{r['split']}_{key}": r[key] for r in rows if r["method"] == method
+             for key in (f"ndcg{k}", f"hit{k}") if r.get(key) is not None}
+    return {name: found[name] for name in (f"test_ndcg{k}", f"test_hit{k}", f"valid_ndcg{k}") if name in found}
 
 
 def run(cfg: DictConfig) -> Path:
-    """Run one cell; return the path of its ``results.csv``."""
-    config.validate(cfg)
+    """Run one cell, validated (``config.validate``) and checked (``pipeline.preflight``); return
+    the path of its ``results.csv``."""
     if cfg.seqrec.get("threads"):
         torch.set_num_threads(int(cfg.seqrec.threads))
     start = time.perf_counter()
     seqs = data.load(cfg.dataset, int(cfg.dataset.L), int(cfg.seed))  # a bad file is refused before any run
     data_seconds = time.perf_counter() - start
     run_plan = train.plan(cfg, seqs.n_users)
-    out = output_dir()
+    out = tracking.output_dir()
     job = tracking.begin_cell(cfg, out)
     if job is None:  # a resumed sweep: this folder holds the same cell, finished
         return out / "results.csv"

@@ -1,6 +1,6 @@
 """Validation of a next-item (``task: seqrec``) config, before anything is computed or logged.
 
-Every refusal is a :class:`pipeline.config.ConfigError` naming the key and the value, which the
+Every refusal is a :class:`pipeline.validation.ConfigError` naming the key and the value, which the
 entry point turns into one ``error: ...`` line and exit status 2.
 """
 
@@ -10,7 +10,7 @@ import math
 
 from omegaconf import DictConfig
 
-from pipeline.config import ConfigError
+from pipeline.validation import ConfigError
 from pipeline.seqrec import clipping, data, models
 from pipeline.seqrec.clipping.norms import MODES
 
@@ -98,8 +98,5 @@ def validate(cfg: DictConfig) -> None:
     _choice(ds.get("name"), "dataset.name", data.DATASETS)
     data.check_L(ds.get("L"))
     if ds.name in ("amazon_games", "movielens"):
-        for key in ("max_items", "k_core"):
-            value = ds.get(key)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-                raise ConfigError(f"dataset.{key} must be a positive integer or null, got {value!r}")
+        data.filters(ds)
         data.resolve(ds.get("path"))  # a missing file is refused here, before any run

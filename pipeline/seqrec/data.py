@@ -17,67 +17,24 @@ A user with fewer than 3 interactions (possible in the SASRec Amazon file, whose
 was one pass) keeps all of them for training and has no validation or test target (0), as in
 SASRec; metrics skip target 0.
 
-Bad input raises :class:`pipeline.config.ConfigError` naming the key and the value.
+Bad input raises :class:`pipeline.validation.ConfigError` naming the key and the value.
 """
 
 from __future__ import annotations
 
 import io
 import os
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-import torch
 
-from pipeline.config import ConfigError
+from pipeline.seqrec import synthetic
+from pipeline.seqrec.sequences import Sequences, check_L, split  # noqa: F401  (data.Sequences, data.split)
+from pipeline.validation import ConfigError
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 FORMATS = ("auto", "ratings", "sasrec")  # ratings: user::item::rating::timestamp; sasrec: user item
 DATASETS = ("amazon_games", "movielens", "synthetic_longtail")
-
-
-@dataclass
-class Sequences:
-    """One row per user; item ids 1..n_items, 0 is padding. See the module docstring."""
-
-    n_items: int  # M
-    train: torch.LongTensor  # (n_users, L + 1): last L + 1 items of the training part, left-padded
-    valid_input: torch.LongTensor  # (n_users, L): last L items of the training part
-    valid_target: torch.LongTensor  # (n_users,): second-to-last item (0: none)
-    test_input: torch.LongTensor  # (n_users, L): training part + validation item, last L
-    test_target: torch.LongTensor  # (n_users,): last item (0: none)
-    popularity: torch.LongTensor  # (M + 1,): counts in the (untruncated) training parts; [0] = 0
-    relevant: torch.BoolTensor | None = None  # synthetic: (n_users, L) positions of test_input that drove the test target
-    best: dict[str, float] | None = None  # synthetic: NDCG@10 / HIT@10 (%) of the oracle on the test targets
-    lengths: torch.LongTensor | None = None  # (n_users,): full sequence lengths before truncation
-    name: str = ""
-
-    @property
-    def n_users(self) -> int:
-        return self.train.shape[0]
-
-    @property
-    def L(self) -> int:
-        return self.valid_input.shape[1]
-
-    def stats(self) -> dict[str, float]:
-        """Data set statistics (for ``data.*`` MLflow params and the README)."""
-        n = int(self.lengths.sum()) if self.lengths is not None else int((self.train != 0).sum())
-        return {
-            "users": self.n_users,
-            "items": self.n_items,
-            "interactions": n,
-            "mean_length": n / max(self.n_users, 1),
-            "density": n / max(self.n_users * self.n_items, 1),
-            "evaluated_users": int((self.test_target != 0).sum()),
-        }
-
-
-def check_L(L, key: str = "dataset.L") -> int:
-    if isinstance(L, bool) or not isinstance(L, int) or L < 2:
-        raise ConfigError(f"{key} must be an integer >= 2 (the maximum sequence length), got {L!r}")
-    return L
 
 
 # ----------------------------------------------------------------------------------- reading
@@ -217,42 +174,18 @@ def reindex(users: np.ndarray, items: np.ndarray):
 # ------------------------------------------------------------------------------------- split
 
 
-def _last(users: np.ndarray, items: np.ndarray, index: np.ndarray, prefix: np.ndarray, width: int,
-          n_users: int) -> torch.Tensor:
-    """(n_users, width): the last ``width`` items of each user's first ``prefix[u]`` items, left-padded."""
-    rev = prefix[users] - 1 - index  # distance from the end of the prefix
-    m = (rev >= 0) & (rev < width)
-    out = np.zeros((n_users, width), dtype=np.int64)
-    out[users[m], width - 1 - rev[m]] = items[m]
-    return torch.from_numpy(out)
-
-
-def split(users: np.ndarray, items: np.ndarray, n_items: int, L: int, name: str = "") -> Sequences:
-    """Leave-last-out split of grouped, time-ordered interactions (users 0..U-1, items 1..M)."""
-    check_L(L)
-    n_users = int(users.max()) + 1
-    lengths = np.bincount(users, minlength=n_users)
-    starts = np.concatenate([[0], np.cumsum(lengths)[:-1]])
-    index = np.arange(len(users)) - starts[users]  # position within the user's sequence
-    evaluated = lengths >= 3
-    train_len = np.where(evaluated, lengths - 2, lengths)
-    last = starts + lengths - 1
-    zeros = np.zeros(n_users, dtype=np.int64)
-    popularity = np.bincount(items[index < train_len[users]], minlength=n_items + 1)
-    return Sequences(
-        n_items=n_items,
-        train=_last(users, items, index, train_len, L + 1, n_users),
-        valid_input=_last(users, items, index, train_len, L, n_users),
-        valid_target=torch.from_numpy(np.where(evaluated, items[np.maximum(last - 1, 0)], zeros)),
-        test_input=_last(users, items, index, np.minimum(train_len + 1, lengths), L, n_users),
-        test_target=torch.from_numpy(np.where(evaluated, items[last], zeros)),
-        popularity=torch.from_numpy(popularity),
-        lengths=torch.from_numpy(lengths),
-        name=name,
-    )
-
-
 # -------------------------------------------------------------------------------------- load
+
+
+def filters(dataset_cfg) -> tuple[int | None, int | None]:
+    """``dataset.max_items`` and ``dataset.k_core``, checked: each a positive integer or null."""
+    values = []
+    for key in ("max_items", "k_core"):
+        value = dataset_cfg.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise ConfigError(f"dataset.{key} must be a positive integer or null, got {value!r}")
+        values.append(value)
+    return values[0], values[1]
 
 
 def load_file(dataset_cfg, L: int) -> Sequences:
@@ -261,15 +194,10 @@ def load_file(dataset_cfg, L: int) -> Sequences:
     path = resolve(dataset_cfg.get("path"))
     users, items, times = read_interactions(path, dataset_cfg.get("format", "auto"))
     users, items = time_order(users, items, times)
-    top = dataset_cfg.get("max_items")
+    top, k = filters(dataset_cfg)
     if top is not None:
-        if isinstance(top, bool) or not isinstance(top, int) or top < 1:
-            raise ConfigError(f"dataset.max_items must be a positive integer or null, got {top!r}")
         users, items = most_popular(users, items, top)
-    k = dataset_cfg.get("k_core")
     if k is not None:
-        if isinstance(k, bool) or not isinstance(k, int) or k < 1:
-            raise ConfigError(f"dataset.k_core must be a positive integer or null, got {k!r}")
         users, items = k_core(users, items, k)
         if len(users) == 0:
             raise ConfigError(f"dataset.k_core = {k} leaves no interactions in {str(path)!r} (empty data set)")
@@ -284,7 +212,5 @@ def load(dataset_cfg, L: int, seed: int) -> Sequences:
     if name in ("amazon_games", "movielens"):
         return load_file(dataset_cfg, L)
     if name == "synthetic_longtail":
-        from pipeline.seqrec import synthetic
-
         return synthetic.generate(dataset_cfg, L, seed)
     raise ConfigError(f"dataset.name {name!r} is unknown for next-item prediction; known: {list(DATASETS)}")

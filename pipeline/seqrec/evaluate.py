@@ -9,6 +9,8 @@ import torch
 
 from pipeline.seqrec import attention, metrics
 
+BASELINES = ("popular", "oracle")  # the rows of every cell that are not the trained model (method column)
+
 
 @torch.no_grad()
 def model_metrics(model, inputs: torch.Tensor, target: torch.Tensor, *, k: int, batch: int) -> dict:

@@ -191,22 +191,7 @@ class Recurrent(SeqModel):
         return self.scores(x)
 
 
-def build(cfg, n_items: int, max_len: int) -> SeqModel:
-    """The model ``cfg`` (a ``conf/model/*.yaml``) names, for M = n_items and inputs of length max_len."""
-    common = dict(dropout=float(cfg.dropout), tied=bool(cfg.tied), init_std=float(cfg.init_std))
-    d = int(cfg.d)
-    if cfg.arch == "transformer":
-        cls = Transformer
-        if cfg.get("reattention") is not None:  # model=dpformer
-            from pipeline.seqrec.reattention import DPFormer as cls
-        return cls(n_items, max_len, d=d, heads=int(cfg.heads), blocks=int(cfg.blocks),
-                           d_ff=int(cfg.d_ff), **common)
-    if cfg.arch in ("gru", "lstm"):
-        return Recurrent(n_items, max_len, cell=cfg.arch, d=d, layers=int(cfg.layers), **common)
-    raise ValueError(f"unknown model.arch {cfg.arch!r}")
-
-
-ARCHS = ("transformer", "gru", "lstm")
+ARCHS = ("transformer", "gru", "lstm")  # model.arch; train.build makes each (Re-Attention: pipeline/seqrec/reattention.py)
 
 
 def user_losses(scores: torch.Tensor, ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

@@ -12,6 +12,7 @@ import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 
 from pipeline.plot import save  # noqa: E402
+from pipeline.seqrec.evaluate import BASELINES  # noqa: E402
 
 
 def curves(history, path: Path, title: str = "", k: int = 10) -> Path:
@@ -23,8 +24,8 @@ def curves(history, path: Path, title: str = "", k: int = 10) -> Path:
     ax1.grid(alpha=0.3)
     if history.valid:
         ep = [v["epoch"] for v in history.valid]
-        for key, label in ((f"ndcg{k}", f"NDCG@{k}"), (f"hit{k}", f"HIT@{k}")):
-            ax2.plot(ep, [v[key] for v in history.valid], marker="o", ms=3, label=label)
+        for key, metric in ((f"ndcg{k}", f"NDCG@{k}"), (f"hit{k}", f"HIT@{k}")):
+            ax2.plot(ep, [v[key] for v in history.valid], marker="o", ms=3, label=metric)
         ax2.legend(fontsize=8)
     ax2.set_xlabel("epoch")
     ax2.set_ylabel("validation metric (%)")
@@ -38,19 +39,19 @@ def sweep_figure(results: pd.DataFrame, path: Path, k: int = 10) -> Path:
     """Test NDCG@k and HIT@k of every (model, clipping) against eps, the popularity baseline dashed."""
     test = results[results["split"] == "test"]
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
-    model_rows = test[~test["method"].isin(["popular", "oracle"])]
+    model_rows = test[~test["method"].isin(BASELINES)]
     eps = sorted(test["eps"].unique())  # one tick per eps (inf, non-private, last)
     where = {e: i for i, e in enumerate(eps)}
-    for ax, key, label in zip(axes, (f"ndcg{k}", f"hit{k}"), (f"NDCG@{k}", f"HIT@{k}")):
+    for ax, key, metric in zip(axes, (f"ndcg{k}", f"hit{k}"), (f"NDCG@{k}", f"HIT@{k}")):
         for (method, clip), g in model_rows.groupby(["method", "clipping"]):
             g = g.groupby("eps")[key].mean()
-            ax.plot([where[e] for e in g.index], g.values, marker="o", label=_name(method, clip))
+            ax.plot([where[e] for e in g.index], g.values, marker="o", label=label(method, clip))
         ax.set_xticks(range(len(eps)), ["∞" if e == float("inf") else f"{e:g}" for e in eps])
         pop = test[test["method"] == "popular"][key]
         if len(pop):
             ax.axhline(pop.mean(), ls="--", color="grey", label="most popular")
         ax.set_xlabel("ε")
-        ax.set_ylabel(f"test {label} (%), mean over seeds")
+        ax.set_ylabel(f"test {metric} (%), mean over seeds")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
     fig.tight_layout()
@@ -61,8 +62,13 @@ def _eps_text(eps: float) -> str:
     return "non-private" if eps == float("inf") else f"ε = {eps:g}"
 
 
-def _name(method: str, clipping: str) -> str:
-    return f"{method} (non-private)" if clipping == "none" else method
+NON_PRIVATE = "non-private"
+
+
+def label(method: str, clipping: str) -> str:
+    """A trained model's name in every table, legend and metric: ``transformer (non-private)``
+    where it ran without DP (clipping=none), else the model's name."""
+    return f"{method} ({NON_PRIVATE})" if clipping == "none" else method
 
 
 def curves_figure(curves: pd.DataFrame, path: Path, k: int = 10) -> Path:
@@ -72,14 +78,14 @@ def curves_figure(curves: pd.DataFrame, path: Path, k: int = 10) -> Path:
     fig, axes = plt.subplots(2, len(eps), figsize=(4.2 * len(eps), 6.4), squeeze=False, sharex=True)
     for j, e in enumerate(eps):
         sub = curves[curves["eps"] == e]
-        for i, (key, label) in enumerate(((f"ndcg{k}", f"NDCG@{k}"), (f"hit{k}", f"HIT@{k}"))):
+        for i, (key, metric) in enumerate(((f"ndcg{k}", f"NDCG@{k}"), (f"hit{k}", f"HIT@{k}"))):
             ax = axes[i, j]
             for (method, clip, lr, bs), g in sub.groupby(["method", "clipping", "lr", "batch_size"], sort=False):
                 stats = g.dropna(subset=[key]).groupby("epoch")[key].agg(["mean", "std", "count"])
-                line, = ax.plot(stats.index, stats["mean"], marker="o", ms=2.5, label=_name(method, clip))
+                line, = ax.plot(stats.index, stats["mean"], marker="o", ms=2.5, label=label(method, clip))
                 sd = stats["std"].fillna(0)
                 ax.fill_between(stats.index, stats["mean"] - sd, stats["mean"] + sd, color=line.get_color(), alpha=0.2)
-            ax.set_ylabel(f"validation {label} (%)")
+            ax.set_ylabel(f"validation {metric} (%)")
             ax.grid(alpha=0.3)
             if i == 0:
                 ax.set_title(_eps_text(e), fontsize=10)
@@ -95,7 +101,7 @@ def curves_figure(curves: pd.DataFrame, path: Path, k: int = 10) -> Path:
 def grid_figure(results: pd.DataFrame, path: Path, k: int = 10) -> Path:
     """Figures 2 and 7: mean validation and test NDCG@k over the (learning rate, batch size) grid,
     one column of heatmaps per (model, eps); the setting selected on validation boxed."""
-    cells = results[~results["method"].isin(["popular", "oracle"])]
+    cells = results[~results["method"].isin(BASELINES)]
     groups = list(cells.groupby(["method", "clipping", "eps"], sort=False))
     fig, axes = plt.subplots(2, len(groups), figsize=(3.6 * len(groups), 6.2), squeeze=False)
     for j, ((method, clip, eps), g) in enumerate(groups):
@@ -112,7 +118,7 @@ def grid_figure(results: pd.DataFrame, path: Path, k: int = 10) -> Path:
             ax.set_yticks(range(m.shape[0]), [f"{int(v)}" for v in m.index], fontsize=7)
             ax.set_xlabel("learning rate")
             ax.set_ylabel("batch size B")
-            ax.set_title(f"{_name(method, clip)}, {_eps_text(eps)}\n{split} NDCG@{k} (%)", fontsize=9)
+            ax.set_title(f"{label(method, clip)}, {_eps_text(eps)}\n{split} NDCG@{k} (%)", fontsize=9)
             bar = fig.colorbar(im, ax=ax, shrink=0.8)
             bar.formatter.set_useOffset(False)
             bar.update_ticks()
@@ -130,7 +136,7 @@ def attention_figure(results: pd.DataFrame, path: Path) -> Path:
     for (method, clip), g in test.groupby(["method", "clipping"], sort=False):
         s = g.groupby("eps")["attention_relevant"].agg(["mean", "std"])
         ax.errorbar([where[e] for e in s.index], s["mean"], yerr=s["std"].fillna(0), marker="o", capsize=3,
-                    label=_name(method, clip))
+                    label=label(method, clip))
     chance = test.groupby("eps")["attention_uniform"].mean()
     ax.plot([where[e] for e in chance.index], chance.values, ls="--", color="grey", label="uniform attention")
     ax.set_xticks(range(len(eps)), ["∞" if e == float("inf") else f"{e:g}" for e in eps])

@@ -23,10 +23,8 @@ of the cells (their folders hold each cell's ``history.csv``). Written next to t
 
 from __future__ import annotations
 
-import json
 import logging
 import math
-import shutil
 from pathlib import Path
 
 import pandas as pd
@@ -35,16 +33,10 @@ from omegaconf import DictConfig, OmegaConf
 from pipeline import report as reporting
 from pipeline import sweep
 from pipeline.seqrec import cell, plot
+from pipeline.seqrec.evaluate import BASELINES
+from pipeline.seqrec.plot import NON_PRIVATE, label
 
 log = logging.getLogger(__name__)
-
-BASELINES = ("popular", "oracle")  # rows of every cell that are not the trained model
-NON_PRIVATE = "non-private"
-
-
-def label(method: str, clipping: str) -> str:
-    return f"{method} ({NON_PRIVATE})" if clipping == "none" else method
-
 
 def eps_label(eps: float) -> str:
     return "inf" if math.isinf(eps) else f"{eps:g}"
@@ -141,16 +133,15 @@ def selected_overrides(picks: pd.DataFrame, method: str) -> str:
     return f"seqrec.lr={r['selected_lr']:g} seqrec.batch_size={int(r['selected_batch_size'])}"
 
 
-def histories(cells: sweep.Cells) -> pd.DataFrame:
-    """Every cell's ``history.csv`` with its model, clipping, eps, lr, batch size and seed."""
+def histories(cells: sweep.Cells, results: pd.DataFrame) -> pd.DataFrame:
+    """Every cell's ``history.csv`` with its model, clipping, eps, lr, batch size and seed (from
+    the cell's rows of ``results``)."""
     frames = []
-    for record in cells.done:
-        folder = Path(record["folder"])
-        path = folder / "history.csv"
+    for record, rows in cells.rows(results):
+        path = Path(record["folder"]) / "history.csv"
         if not path.exists():
             continue
-        found = pd.read_csv(folder / "results.csv")
-        row = found[~found["method"].isin(BASELINES)].iloc[0]
+        row = rows[~rows["method"].isin(BASELINES)].iloc[0]
         h = pd.read_csv(path)
         for key in ("method", "clipping", "eps", "lr", "batch_size", "seed"):
             h[key] = row[key]
@@ -168,7 +159,7 @@ def summarise(config: DictConfig, sweep_id: str, sweep_dir: Path, cells: sweep.C
     long.to_csv(sweep_dir / "table.csv", index=False)
     artifacts.append(sweep_dir / "table.csv")
     figures = [plot.sweep_figure(results, sweep_dir / "test_metrics.png", k)]
-    curves = histories(cells)
+    curves = histories(cells, results)
     if not curves.empty and f"ndcg{k}" in curves:
         figures.append(plot.curves_figure(curves, sweep_dir / "curves.png", k))
     picks = None
@@ -206,15 +197,9 @@ def summarise(config: DictConfig, sweep_id: str, sweep_dir: Path, cells: sweep.C
                for row in long[long["model"] != "popular"].itertuples()}
     print(f"\n{name}: {text}\nreport: {page}", flush=True)
     sweep.parent_run(config, sweep_id, sweep_dir, cells, f"{name} ({len(cells.done)} cells)",
-                              list(map(str, artifacts)), {"dataset": config.dataset.name},
-                              {key.replace("=", "_"): v for key, v in metrics.items() if not math.isnan(v)}, text,
-                              (list(cell.HEADLINE_PARAMS), [f"test_ndcg{k}", f"test_hit{k}"]))
-    if config.report.dir:
-        out = Path(config.report.dir)
-        out.mkdir(parents=True, exist_ok=True)
-        for path in artifacts:
-            shutil.copyfile(path, out / Path(path).name)
-        (out / "metrics.json").write_text(json.dumps({"cells": len(cells.done), **metrics}, indent=2, sort_keys=True)
-                                          + "\n")
+                     list(map(str, artifacts)), {"dataset": config.dataset.name},
+                     {key.replace("=", "_"): v for key, v in metrics.items() if not math.isnan(v)}, text,
+                     (list(cell.HEADLINE_PARAMS), [f"test_ndcg{k}", f"test_hit{k}"]))
+    sweep.publish(config, artifacts, {"cells": len(cells.done), **metrics})
 
     log.info("sweep of %d cells: wrote %s", len(cells.done), ", ".join(str(p) for p in artifacts))

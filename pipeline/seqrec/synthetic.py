@@ -1,6 +1,6 @@
 """``synthetic_longtail``: user sequences with Zipf item popularity and known sequential structure.
 
-The generator (every constant is a key of ``conf/dataset/synthetic_longtail*.yaml``):
+The generator (every constant is a key of ``conf/seqrec/dataset/synthetic_longtail*.yaml``):
 
 - Popularity: item of popularity rank r (1..M) has weight p ∝ (r + zipf_offset)^-zipf
   (Zipf-Mandelbrot: a flat head, then a power-law tail of slope -zipf); ranks are assigned to
@@ -25,7 +25,7 @@ The generator (every constant is a key of ``conf/dataset/synthetic_longtail*.yam
   (lag ~ decay^(lag-1) on 1..lag_max, cut at the first item: lag_eff = min(lag, t)), otherwise
   a topic draw. So P(x_t = j | past, theta_u) = beta sum_l pi'_l T(x_{t-l}, j) + (1 - beta) q_u(j).
 
-Ground truth returned in :class:`~pipeline.seqrec.data.Sequences`:
+Ground truth returned in :class:`~pipeline.seqrec.Sequences`:
 
 - ``best``: NDCG@10 and HIT@10 (%) on the test targets of the oracle that ranks items by the
   exact conditional probability above (it knows T, p, the topics and theta_u). No predictor
@@ -48,8 +48,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from pipeline.config import ConfigError
-from pipeline.seqrec import data
+from pipeline.seqrec.sequences import Sequences, check_L, split
+from pipeline.validation import ConfigError
 
 KEYS = ("n_users", "n_items", "mean_len", "min_len", "max_len", "len_sigma", "zipf", "zipf_offset", "n_topics",
         "topic_concentration", "n_successors", "successor_block", "p_transition", "lag_max", "lag_decay")
@@ -183,14 +183,14 @@ class Truth:
     target: np.ndarray  # test target per generation-order user
 
 
-def generate(cfg, L: int, seed: int) -> data.Sequences:
+def generate(cfg, L: int, seed: int) -> Sequences:
     """The synthetic data set of ``cfg`` (see the module docstring)."""
     return generate_with_truth(cfg, L, seed)[0]
 
 
-def generate_with_truth(cfg, L: int, seed: int) -> tuple[data.Sequences, Truth]:
+def generate_with_truth(cfg, L: int, seed: int) -> tuple[Sequences, Truth]:
     """(Sequences, the generator's state that the oracle reads)."""
-    data.check_L(L)
+    check_L(L)
     c = parameters(cfg)
     rng = np.random.default_rng(seed)
     U, M, K, S = c["n_users"], c["n_items"], c["n_topics"], c["n_successors"]
@@ -241,7 +241,7 @@ def generate_with_truth(cfg, L: int, seed: int) -> tuple[data.Sequences, Truth]:
     # user-major order, users relabelled at random, then the shared split
     label = rng.permutation(U)
     order = np.lexsort((t_of, label[u_of]))
-    seqs = data.split(label[u_of][order], x[order], M, L, name="synthetic_longtail")
+    seqs = split(label[u_of][order], x[order], M, L, name="synthetic_longtail")
 
     # ground truth at each user's last position (the test target)
     last = off[n - 1] + np.arange(U)  # flat index of the test target, users in generation order

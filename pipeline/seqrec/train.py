@@ -46,6 +46,19 @@ class Plan:
         return {k: v for k, v in self.__dict__.items()}
 
 
+def build(cfg, n_items: int, max_len: int) -> models.SeqModel:
+    """The model ``cfg`` (a ``conf/seqrec/model/*.yaml``) names, for M = n_items and inputs of length max_len."""
+    common = dict(dropout=float(cfg.dropout), tied=bool(cfg.tied), init_std=float(cfg.init_std))
+    d = int(cfg.d)
+    if cfg.arch == "transformer":
+        cls = reattention.DPFormer if cfg.get("reattention") is not None else models.Transformer  # model=dpformer
+        return cls(n_items, max_len, d=d, heads=int(cfg.heads), blocks=int(cfg.blocks),
+                   d_ff=int(cfg.d_ff), **common)
+    if cfg.arch in ("gru", "lstm"):
+        return models.Recurrent(n_items, max_len, cell=cfg.arch, d=d, layers=int(cfg.layers), **common)
+    raise ValueError(f"unknown model.arch {cfg.arch!r}")
+
+
 def plan(cfg, n_users: int) -> Plan:
     """Sample rate, steps and the calibrated noise multiplier of the run ``cfg`` describes."""
     train = cfg.seqrec
@@ -123,7 +136,7 @@ def run(seqs, cfg, run_plan: Plan, on_epoch: Callable[[int, dict], None] | None 
     """Train the configured model on ``seqs.train``; return (model, History)."""
     train = cfg.seqrec
     torch.manual_seed(int(cfg.seed))
-    model = models.build(cfg.model, seqs.n_items, seqs.L)
+    model = build(cfg.model, seqs.n_items, seqs.L)
     if cfg.model.get("reattention") is not None:  # model=dpformer: Re-Attention's effective errors
         reattention.calibrate(model, seqs.train, sigma_dp=run_plan.sigma, C=float(cfg.clipping.C),
                               batch_size=run_plan.batch_size, presence_multiplier=run_plan.presence_multiplier,

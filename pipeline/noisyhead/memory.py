@@ -1,0 +1,60 @@
+"""NoisyHead's memory model: the bytes of a cell's largest tensors, from the shapes alone, checked
+against the memory available before anything is computed (``pipeline.preflight.memory``, which
+multiplies by the cells a joblib sweep runs at once)."""
+
+from __future__ import annotations
+
+from omegaconf import DictConfig
+
+from pipeline.noisyhead.config import Constants
+from pipeline.noisyhead.methods import ESTIMATORS, ridge
+from pipeline.noisyhead.methods.noisyhead import horizons
+from pipeline.task import Memory
+
+
+def needed(cfg: DictConfig, const: Constants) -> dict[str, int]:
+    """An estimate, in bytes, of the cell's largest tensors: ``prompts`` (features of every trial:
+    raw, clipped and private training views, test prompts, and an attack's copies), ``chunk``
+    (the largest temporary of one chunk of trials in any estimator) and ``fits`` (the estimates)."""
+    item = 8 if cfg.compute.dtype == "float64" else 4
+    B, N, D = int(cfg.trials), const.N, const.D
+    n_test = int(cfg.dataset.n_test)
+    chunk = min(int(cfg.compute.chunk_trials), B)
+    per_prompt = (2 * D + 1) * item  # q, v, y
+    prompts = B * (2 * N * per_prompt + N * D * item + n_test * per_prompt)
+    attacked = cfg.attack.name != "none"
+    if attacked:
+        prompts += B * 2 * N * per_prompt
+    d = D * D
+    work = [chunk * N * d * item]  # vec(Z) of a chunk: the gram, the direct solves
+    if not ridge._primal_cost(N, D) <= ridge._dual_cost(N, D):
+        work.append(chunk * N * N * item)  # the dual system
+    else:
+        work.append(2 * chunk * d * d * item)  # the gram and the normal equations
+    fits = 0
+    for spec in cfg.method.values():
+        module = ESTIMATORS[spec.estimator]
+        Ts = horizons(spec, const, cfg) if spec.estimator == "noisyhead" else const.T
+        if spec.estimator == "noisyhead":
+            work.append(chunk * max(Ts) * d * (4 + item))  # the standard normals of every step
+        if spec.estimator == "dpsgd":
+            work.append(chunk * max(Ts) * (N + d) * (4 + item))  # the Poisson batches and the noise
+        if spec.estimator == "ssp":
+            work.append(chunk * d * d * (4 + 3 * item))  # W, sym(W), the noisy system
+        horizons_out = len(Ts) if spec.estimator in ("noisyhead", "gd", "dpsgd") else 1
+        fits += B * horizons_out * d * item * (3 if attacked and module.PRIVATE else 2 if attacked else 1)
+    return {"prompts": prompts, "chunk": max(work), "fits": fits}
+
+
+def estimate(cfg: DictConfig, const: Constants) -> Memory:
+    """``needed`` with the key to lower when it does not fit: the chunk when its temporary dominates,
+    else the larger of N and the trial count."""
+    need = needed(cfg, const)
+    if need["chunk"] > need["prompts"] + need["fits"]:
+        key, value, advice = "compute.chunk_trials", cfg.compute.chunk_trials, "lower compute.chunk_trials"
+    elif const.N >= int(cfg.trials):
+        key, value, advice = "regime.N", const.N, f"lower regime.N or trials (= {cfg.trials})"
+    else:
+        key, value, advice = "trials", cfg.trials, f"lower trials or regime.N (= {const.N})"
+    parts = {"prompts": need["prompts"], "largest chunk temporary": need["chunk"], "estimates": need["fits"]}
+    return Memory(parts, key, value, advice)

@@ -1,0 +1,40 @@
+"""NoisyHead as a task of the pipeline (``task: noisyhead``, the default): what the shared
+machinery calls (``pipeline.task.Task``), each a step of this package."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from omegaconf import DictConfig
+
+
+class NoisyHead:
+    name = "noisyhead"
+
+    def validate(self, cfg: DictConfig):
+        from pipeline.noisyhead import config
+
+        return config.validate(cfg)
+
+    def memory(self, cfg: DictConfig, checked):
+        from pipeline.noisyhead import memory
+
+        return memory.estimate(cfg, checked)
+
+    def run_cell(self, cfg: DictConfig, checked) -> Path:
+        from pipeline.noisyhead import cell
+
+        return cell.run(cfg, checked)
+
+    def summarise(self, cfg, sweep_id, sweep_dir, cells, results, csv) -> None:
+        from pipeline.noisyhead import sweep
+
+        sweep.summarise(cfg, sweep_id, sweep_dir, cells, results, csv)
+
+    def audit(self, cfg: DictConfig):
+        from pipeline.noisyhead import audit
+
+        return audit.run(cfg)
+
+
+TASK = NoisyHead()

@@ -1,0 +1,39 @@
+"""DPFormer's next-item prediction as a task of the pipeline (``task: seqrec``, set by the
+``experiment=dpformer_*`` presets): what the shared machinery calls (``pipeline.task.Task``),
+each a step of this package."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from omegaconf import DictConfig
+
+
+class SeqRec:
+    name = "seqrec"
+
+    def validate(self, cfg: DictConfig) -> None:
+        from pipeline.seqrec import config
+
+        config.validate(cfg)
+
+    def memory(self, cfg: DictConfig, checked) -> None:
+        return None  # no memory model yet: the cell's data are read in run_cell
+
+    def run_cell(self, cfg: DictConfig, checked) -> Path:
+        from pipeline.seqrec import cell
+
+        return cell.run(cfg)
+
+    def summarise(self, cfg, sweep_id, sweep_dir, cells, results, csv) -> None:
+        from pipeline.seqrec import sweep
+
+        sweep.summarise(cfg, sweep_id, sweep_dir, cells, results, csv)
+
+    def audit(self, cfg: DictConfig):
+        from pipeline.seqrec import audit
+
+        return audit.run(cfg)
+
+
+TASK = SeqRec()

@@ -1,0 +1,75 @@
+"""pipeline/preflight.py: a cell's checks run once per run and process (the callback's result is what
+the entry point uses), and the memory check counts the cells a joblib sweep runs at once."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from pipeline import preflight
+from pipeline.noisyhead import config, memory
+from pipeline.noisyhead.task import NoisyHead
+from pipeline.task import Memory
+from pipeline.validation import ConfigError
+
+
+@pytest.fixture
+def counted(monkeypatch):
+    """Count the calls of NoisyHead's validation."""
+    calls = []
+    real = NoisyHead.validate
+
+    def validate(self, cfg):
+        calls.append(cfg)
+        return real(self, cfg)
+
+    monkeypatch.setattr(NoisyHead, "validate", validate)
+    monkeypatch.setattr(preflight, "_CHECKED", {})
+    return calls
+
+
+def test_a_single_run_is_validated_once(cfg_for, counted, tmp_path):
+    """As ``python -m pipeline`` does: the callback checks the config with its hydra node, before the
+    run's folder exists; the entry point then gets that result for the config without it."""
+    full = cfg_for("trials=3", f"hydra.run.dir={tmp_path / 'run'}", "mlflow.tracking_uri=sqlite:///" + str(tmp_path / "m.db"),
+                   hydra=True)
+    preflight.PreflightCallback().on_run_start(full)
+    assert len(counted) == 1
+    cfg = cfg_for("trials=3", "mlflow.tracking_uri=sqlite:///" + str(tmp_path / "m.db"))
+    assert "hydra" not in cfg
+    const = preflight.checked(cfg)
+    assert len(counted) == 1 and const == config.validate(cfg)
+    preflight.checked(cfg_for("trials=4", "mlflow.tracking_uri=sqlite:///" + str(tmp_path / "m.db")))
+    assert len(counted) == 2  # another config is checked anew
+
+
+@pytest.mark.parametrize("launcher, n_jobs, expected", [
+    (None, None, 1), ("joblib", 3, 3), ("joblib", -1, os.cpu_count()), ("joblib", -2, max(1, os.cpu_count() - 1)),
+    ("submitit_local", None, 1),
+])
+def test_cells_at_once(cfg_for, launcher, n_jobs, expected):
+    overrides = [f"hydra/launcher={launcher}"] if launcher else []
+    if n_jobs is not None:
+        overrides.append(f"hydra.launcher.n_jobs={n_jobs}")
+    assert preflight.jobs(cfg_for(*overrides, hydra=True)) == expected
+
+
+def test_memory_counts_the_cells_that_run_at_once(cfg_for, monkeypatch):
+    cfg = cfg_for("trials=500", "regime.N=2000")
+    need = memory.estimate(cfg, config.validate(cfg))
+    assert need.total == sum(memory.needed(cfg, config.validate(cfg)).values()) > 0
+    monkeypatch.setattr(preflight, "available_memory", lambda: int(1.5 * need.total))
+    preflight.memory(cfg, need, 1)  # one cell fits
+    with pytest.raises(ConfigError, match=r"x 2 cells at once \(hydra.launcher.n_jobs\).*or hydra.launcher.n_jobs"):
+        preflight.memory(cfg, need, 2)
+    preflight.memory(cfg, None, 8)  # a task without a memory model is not refused
+
+
+def test_the_refusal_names_the_key_the_task_says(monkeypatch):
+    need = Memory({"a": 600, "b": 500}, "compute.chunk_trials", 50, "lower compute.chunk_trials")
+    monkeypatch.setattr(preflight, "available_memory", lambda: 1000)
+    with pytest.raises(ConfigError) as err:
+        preflight.memory(None, need)
+    assert str(err.value) == ("compute.chunk_trials = 50: the cell's tensors need about 1.1 kB of memory (a 0.6 kB, "
+                              "b 0.5 kB) and 1 kB are available; lower compute.chunk_trials")
