@@ -50,6 +50,8 @@ class Cells:
 
 class Task(Protocol):
     name: str
+    devices: tuple[str, ...]  # the kinds of compute.device its cells run on ("cpu", "cuda")
+    audit_devices: tuple[str, ...]  # the kinds its audit (python -m pipeline.audit) runs on
 
     def validate(self, cfg: DictConfig) -> Any:
         """Check a composed config before anything is computed or created; raise

@@ -11,6 +11,8 @@ from omegaconf import DictConfig
 
 class SeqRec:
     name = "seqrec"
+    devices = ("cpu", "cuda")
+    audit_devices = ("cpu",)
 
     def validate(self, cfg: DictConfig) -> None:
         from pipeline.seqrec import config
