@@ -84,6 +84,14 @@ def name(device: torch.device) -> str:
     return "cpu"
 
 
+def free_memory(device: torch.device) -> int | None:
+    """Bytes free on a CUDA device (None for the CPU: ``pipeline.preflight`` reads MemAvailable)."""
+    if device.type != "cuda":
+        return None
+    free, _ = torch.cuda.mem_get_info(device)
+    return int(free)
+
+
 def reset_peak(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)

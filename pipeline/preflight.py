@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import unquote, urlparse
 
+import torch
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
@@ -226,8 +227,11 @@ def jobs(cfg: DictConfig) -> int:
 def memory(cfg: DictConfig, need: Memory | None, concurrent: int = 1) -> None:
     """Refuse a cell whose tensors (``need``, the task's estimate), times the cells that run at
     once (``concurrent``), exceed the memory available."""
-    available = available_memory()
-    if available is None or need is None:
+    if need is None:
+        return
+    on_gpu = need.device.startswith("cuda")
+    available = device.free_memory(torch.device(need.device)) if on_gpu else available_memory()
+    if available is None:
         return
     total = need.total * concurrent
     if total <= available:
@@ -237,7 +241,7 @@ def memory(cfg: DictConfig, need: Memory | None, concurrent: int = 1) -> None:
     advice = need.advice + (" or hydra.launcher.n_jobs" if concurrent > 1 else "")
     raise ConfigError(
         f"{need.key} = {need.value!r}: the cell's tensors need about {_size(need.total)} of memory ({parts}){at_once} "
-        f"and {_size(available)} are available; {advice}"
+        f"and {_size(available)} are {'free on ' + need.device if on_gpu else 'available'}; {advice}"
     )
 
 

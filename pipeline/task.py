@@ -27,6 +27,7 @@ class Memory:
     key: str
     value: object
     advice: str
+    device: str = "cpu"  # where the tensors live: a CUDA device's free memory is what they must fit in
 
     @property
     def total(self) -> int:
