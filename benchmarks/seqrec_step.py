@@ -154,7 +154,8 @@ def rss_bytes() -> int:
         return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-def worker(engine: str, model_name: str, B: int, L: int, M: int, repeats: int, threads: int | None) -> dict:
+def worker(engine: str, model_name: str, B: int, L: int, M: int, repeats: int, threads: int | None,
+           device_spec: str = "auto") -> dict:
     import warnings
 
     import torch
@@ -165,7 +166,9 @@ def worker(engine: str, model_name: str, B: int, L: int, M: int, repeats: int, t
     warnings.filterwarnings("ignore")
     if threads:
         torch.set_num_threads(threads)
-    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    from pipeline import device
+
+    dev = device.resolve(device_spec)  # auto: CUDA where torch sees one (torch's default math: no deterministic mode)
     torch.manual_seed(0)
     d = 32 if model_name.endswith("_half") else 64
     mcfg = OmegaConf.create(dict(arch="transformer", tied=model_name == "transformer", d=d, heads=1, blocks=2,
@@ -221,6 +224,7 @@ def main(argv=None) -> None:
                     help="engine:model pairs")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--device", default="auto", help="auto (CUDA where torch sees one), cpu, cuda or cuda:N")
     ap.add_argument("--mem-gb", type=float, default=8.0, help="skip combinations estimated above this")
     ap.add_argument("--json", default=None, help="also write the rows here")
     ap.add_argument("--figure", default=None, help="also draw Figure 3 (ratios to the non-private step) here, PNG")
@@ -229,7 +233,7 @@ def main(argv=None) -> None:
     args = ap.parse_args(argv)
     if args.worker:
         e, m, B, L, M = args.worker
-        print(json.dumps(worker(e, m, int(B), int(L), int(M), args.repeats, args.threads)))
+        print(json.dumps(worker(e, m, int(B), int(L), int(M), args.repeats, args.threads, args.device)))
         return
     if args.from_json:
         if not args.figure:
@@ -251,6 +255,13 @@ def main(argv=None) -> None:
             fail(f"--{key} must be positive integers, got {getattr(args, key)}")
     if args.repeats < 1:
         fail(f"--repeats must be a positive integer, got {args.repeats}")
+    from pipeline import device
+    from pipeline.validation import ConfigError
+
+    try:
+        device.resolve(args.device)
+    except ConfigError as err:
+        fail(f"--device: {err}")
     engines, models = {e for e, _ in ENGINES}, {m for _, m in ENGINES}
     for pair in args.engines:
         engine, _, model = pair.partition(":")
@@ -273,7 +284,7 @@ def main(argv=None) -> None:
                         row["skipped"] = f"estimated {est:.1f} GB > --mem-gb {args.mem_gb:g}"
                     else:
                         cmd = [sys.executable, "-m", "benchmarks.seqrec_step", "--worker", engine, model, str(B),
-                               str(L), str(M), "--repeats", str(args.repeats)]
+                               str(L), str(M), "--repeats", str(args.repeats), "--device", args.device]
                         if args.threads:
                             cmd += ["--threads", str(args.threads)]
                         proc = subprocess.run(cmd, capture_output=True, text=True)

@@ -20,7 +20,8 @@ from pipeline.validation import ConfigError
 
 
 def run(cfg: DictConfig):
-    """The audit of ``cfg``'s task: one row per audited mechanism."""
+    """The audit of ``cfg``'s task: one row per audited mechanism (its device checked by the
+    preflight callback, ``Task.audit_devices``, before Hydra made the folder)."""
     return tasks.get(cfg).audit(cfg)
 
 

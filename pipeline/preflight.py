@@ -1,5 +1,6 @@
 """Checks of a cell before anything is computed or logged: its config, by its task's rules
-(``Task.validate``), and the environment the values point at: that the output folder can be
+(``Task.validate``), and the environment the values point at: that ``compute.device`` is a
+device this machine has and the task runs on (``pipeline.device``), that the output folder can be
 written, that the MLflow store can be reached (a server answers within
 ``mlflow.connect_timeout`` seconds) and written (a local store's database and artifact folders),
 and that the cell's tensors fit in the memory that is available (the task's estimate,
@@ -7,10 +8,10 @@ and that the cell's tensors fit in the memory that is available (the task's esti
 limit). Each refusal is a ``ConfigError`` naming the key, which the entry point prints as one
 ``error:`` line (exit 2).
 
-``check`` runs once per cell and process: for a single run in ``PreflightCallback``, before Hydra
-creates the run's folder; for a sweep in the validating sweeper, for every cell before any job
-starts. The entry point then takes the result with ``checked`` (a cell in a joblib or submitit
-worker, another process, is checked there).
+``check`` runs for a single run once, in ``PreflightCallback`` before Hydra creates the run's folder
+(the entry point takes its result with ``checked``); for a sweep in the validating sweeper, for every
+cell before any job starts, and again by each cell when it starts (its folder, the store, the memory
+left by then).
 """
 
 from __future__ import annotations
@@ -24,10 +25,11 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import unquote, urlparse
 
+import torch
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
-from pipeline import tasks
+from pipeline import device, tasks
 from pipeline.task import Memory
 from pipeline.validation import ConfigError
 
@@ -41,23 +43,31 @@ def _fingerprint(cfg: DictConfig) -> str:
     return OmegaConf.to_yaml({k: v for k, v in cfg.items() if k != "hydra"})
 
 
-def check(cfg: DictConfig, output: str | Path | None = None, key: str | None = None, concurrent: int = 1) -> Any:
-    """Every check of one cell: its task's validation, then its output folder ``output`` (named
-    ``key``; default: the Hydra job's, or the working directory outside Hydra), the MLflow store,
-    and its memory (times ``concurrent`` cells at once). Returns what the validation derived."""
+def check(cfg: DictConfig, output: str | Path | None = None, key: str | None = None, concurrent: int = 1,
+          remember: bool = False) -> Any:
+    """Every check of one cell: its task's validation, its device, then its output folder ``output``
+    (named ``key``; default: the Hydra job's, or the working directory outside Hydra), the MLflow
+    store, and its memory (times ``concurrent`` cells at once). Returns what the validation
+    derived; ``remember``: also for ``checked`` (a single run, checked by the callback)."""
     task = tasks.get(cfg)
     found = task.validate(cfg)
+    if "audit" in cfg:  # python -m pipeline.audit (conf/audit.yaml)
+        device.of(cfg, task.audit_devices, f"the {task.name} audit")
+    else:  # a device this machine has and the task runs on
+        device.of(cfg, task.devices, f"task={task.name}")
     if output is None:
         output, key = _job_output()
     folder(output, key or "output folder")
     tracking_store(cfg)
     memory(cfg, task.memory(cfg, found), concurrent)
-    _CHECKED[_fingerprint(cfg)] = found
+    if remember:
+        _CHECKED[_fingerprint(cfg)] = found
     return found
 
 
 def checked(cfg: DictConfig) -> Any:
-    """What ``check`` derived for this config in this process, or ``check`` now (a worker's cell)."""
+    """What the callback's ``check`` derived for this single run, or ``check`` now: a cell of a sweep
+    is checked again where and when it starts (its folder, the store, the memory left by then)."""
     key = _fingerprint(cfg)
     return _CHECKED[key] if key in _CHECKED else check(cfg)
 
@@ -207,22 +217,21 @@ def _size(n: float) -> str:
 def jobs(cfg: DictConfig) -> int:
     """Cells that run at once on this machine: joblib's ``n_jobs`` (-1: every core, -k: all but
     k - 1), else 1 (the basic launcher runs one after another; submitit's jobs run elsewhere)."""
-    launcher = cfg.get("hydra", {}).get("launcher", {}) if "hydra" in cfg else {}
-    if "joblib" not in str(launcher.get("_target_", "")):
+    launcher = (cfg.hydra.get("launcher") or {}) if "hydra" in cfg else {}
+    if "joblib" not in str(launcher.get("_target_", "")) or launcher.get("n_jobs") is None:
         return 1
-    n = launcher.get("n_jobs")
-    cores = os.cpu_count() or 1
-    if n is None:
-        return 1
-    n = int(n)
-    return max(1, cores + 1 + n) if n < 0 else max(1, n)
+    n = int(launcher.get("n_jobs"))
+    return max(1, (os.cpu_count() or 1) + 1 + n) if n < 0 else max(1, n)
 
 
 def memory(cfg: DictConfig, need: Memory | None, concurrent: int = 1) -> None:
     """Refuse a cell whose tensors (``need``, the task's estimate), times the cells that run at
     once (``concurrent``), exceed the memory available."""
-    available = available_memory()
-    if available is None or need is None:
+    if need is None:
+        return
+    on_gpu = need.device.startswith("cuda")
+    available = device.free_memory(torch.device(need.device)) if on_gpu else available_memory()
+    if available is None:
         return
     total = need.total * concurrent
     if total <= available:
@@ -232,7 +241,7 @@ def memory(cfg: DictConfig, need: Memory | None, concurrent: int = 1) -> None:
     advice = need.advice + (" or hydra.launcher.n_jobs" if concurrent > 1 else "")
     raise ConfigError(
         f"{need.key} = {need.value!r}: the cell's tensors need about {_size(need.total)} of memory ({parts}){at_once} "
-        f"and {_size(available)} are available; {advice}"
+        f"and {_size(available)} are {'free on ' + need.device if on_gpu else 'available'}; {advice}"
     )
 
 
@@ -244,7 +253,7 @@ class PreflightCallback(Callback):
     (the validating sweeper then checks every cell, values and memory, before any job starts)."""
 
     def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
-        _exit_on_error(lambda: check(config, Path(str(config.hydra.run.dir)), "hydra.run.dir"))
+        _exit_on_error(lambda: check(config, Path(str(config.hydra.run.dir)), "hydra.run.dir", remember=True))
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
         def environment() -> None:

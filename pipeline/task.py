@@ -27,6 +27,7 @@ class Memory:
     key: str
     value: object
     advice: str
+    device: str = "cpu"  # where the tensors live: a CUDA device's free memory is what they must fit in
 
     @property
     def total(self) -> int:
@@ -50,6 +51,8 @@ class Cells:
 
 class Task(Protocol):
     name: str
+    devices: tuple[str, ...]  # the kinds of compute.device its cells run on ("cpu", "cuda")
+    audit_devices: tuple[str, ...]  # the kinds its audit (python -m pipeline.audit) runs on
 
     def validate(self, cfg: DictConfig) -> Any:
         """Check a composed config before anything is computed or created; raise

@@ -37,7 +37,7 @@ def test_dvc_repro_builds_every_artifact_and_then_does_nothing(tmp_path):
         f"trials: 2\nnewsgroups_trials: 2\narchive: {ARCHIVE}\n"
         "extra: dataset.n_test=8 compute.chunk_trials=2 mlflow.tracking_uri=sqlite:///mlflow.db\n"
         f"amazon: {AMAZON}\ndpformer_synthetic_data: synthetic_longtail_tiny\ndpformer_amazon_data: amazon_games_tiny\n"
-        "dpformer_jobs: 2\ndpformer_extra: seed=0 seqrec.epochs=1 model.d=8 model.d_ff=16 "
+        "dpformer_jobs: 2\ndpformer_device: cpu\ndpformer_extra: seed=0 seqrec.epochs=1 model.d=8 model.d_ff=16 "
         "mlflow.tracking_uri=sqlite:///mlflow.db\ndpformer_fig3_grid: --B 2 --L 4 --M 20 --repeats 1\n"
     )
     run(["git", "init", "-q"], repo)

@@ -73,3 +73,35 @@ def test_the_refusal_names_the_key_the_task_says(monkeypatch):
         preflight.memory(None, need)
     assert str(err.value) == ("compute.chunk_trials = 50: the cell's tensors need about 1.1 kB of memory (a 0.6 kB, "
                               "b 0.5 kB) and 1 kB are available; lower compute.chunk_trials")
+
+
+def test_dpformer_memory_estimate_bounds_a_measured_step(cfg_for):
+    """The estimate (pipeline/seqrec/memory.py) against the peak memory of one Phantom step measured
+    by the step benchmark in a fresh process (fixed B, L = 20, M = 20,000): above it, within 2x."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from pipeline.seqrec import memory as seqrec_memory
+
+    B, L, M = 64, 20, 20_000
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.seqrec_step", "--worker", "phantom", "transformer", str(B),
+                           str(L), str(M), "--repeats", "1", "--threads", "1", "--device", "cpu"],
+                          cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    measured = json.loads(proc.stdout.strip().splitlines()[-1])["peak_gb"] * 2**30
+    cfg = cfg_for("experiment=dpformer_ci", f"seqrec.batch_size={B}", f"dataset.L={L}", "model.d=64", "model.d_ff=256",
+                  "dataset.n_users=100000", f"dataset.n_items={M}", "seqrec.eval_batch=1")
+    need = seqrec_memory.estimate(cfg, "cpu")
+    assert need.parts["batch scores"] > 0.8 * need.total  # the scores dominate at this size
+    assert measured <= need.total <= 2 * measured, (measured / 2**30, need.parts)
+
+
+def test_a_dpformer_cell_too_large_for_memory_is_one_error_line(run_cli):
+    """B x L x M scores beyond any machine's memory: refused before the run's folder exists."""
+    proc = run_cli("experiment=dpformer_ci", "dataset.L=100000", "dataset.n_items=100000", expect_ok=False)
+    errors = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert proc.returncode == 2 and len(errors) == 1, proc.stderr[-2000:]
+    assert errors[0].startswith("error: dataset.L = 100000: the cell's tensors need about") and "M = 100000 items" in errors[0]
+    assert not (run_cli.tmp / "run").exists()

@@ -96,6 +96,7 @@ def run(cfg: DictConfig, const: config.Constants) -> Path:
     with tracking.run(name, tags) as active:
         start = time.perf_counter()
         mlflow.log_params(params)
+        tracking.log_params("compute", {"device": "cpu", "device_name": "cpu"})  # NoisyHead's devices (task.py)
         mlflow.log_text(OmegaConf.to_yaml(cfg, resolve=True), "config.yaml")
         problem = data.run(cfg, const)
         fits = train.run(problem, const, cfg)

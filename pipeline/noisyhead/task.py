@@ -10,6 +10,8 @@ from omegaconf import DictConfig
 
 class NoisyHead:
     name = "noisyhead"
+    devices = ("cpu",)  # its batched trials are not placed on a GPU yet (compute.device=auto: the CPU)
+    audit_devices = ("cpu",)
 
     def validate(self, cfg: DictConfig):
         from pipeline.noisyhead import config

@@ -25,15 +25,17 @@ def relevant_mass(model, inputs: torch.Tensor, relevant: torch.BoolTensor, *, ba
         return {"attention_relevant": float("nan"), "attention_uniform": float("nan")}
     was = model.training
     model.eval()
+    device = next(model.parameters()).device
     mass = uniform = 0.0
     for s in range(0, len(users), batch):
         u = users[s:s + batch]
         record: list = []
-        model(inputs[u], record=record)
+        ids = inputs[u].to(device)
+        model(ids, record=record)
         att = record[-1]["att"][:, :, -1].mean(1)  # (n, T): last block, last query, mean over heads
-        rel = relevant[u].to(att.dtype)
+        rel = relevant[u].to(device=device, dtype=att.dtype)
         mass += float((att * rel).sum())
-        allowed = (inputs[u] != 0).to(att.dtype)
+        allowed = (ids != 0).to(att.dtype)
         allowed[:, -1] = 1.0  # the query always sees itself
         uniform += float(((allowed * rel).sum(1) / allowed.sum(1)).sum())
     model.train(was)

@@ -20,8 +20,8 @@ import pandas as pd
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from pipeline import tracking
-from pipeline.seqrec import data, evaluate, plot, train
+from pipeline import device, tracking
+from pipeline.seqrec import checkpoint, data, evaluate, plot, train
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +52,8 @@ def run(cfg: DictConfig) -> Path:
     the path of its ``results.csv``."""
     if cfg.seqrec.get("threads"):
         torch.set_num_threads(int(cfg.seqrec.threads))
+    dev = device.of(cfg)  # checked by pipeline.preflight: one the machine has
+    device.configure(cfg, dev)
     start = time.perf_counter()
     seqs = data.load(cfg.dataset, int(cfg.dataset.L), int(cfg.seed))  # a bad file is refused before any run
     data_seconds = time.perf_counter() - start
@@ -73,6 +75,7 @@ def run(cfg: DictConfig) -> Path:
             "model": cfg.model.name, "clipping": cfg.clipping.name, "rule": cfg.clipping.rule,
             "C": cfg.clipping.C, "eps": cfg.privacy.eps, "lr": cfg.seqrec.lr, "epochs": cfg.seqrec.epochs,
             "accountant": cfg.seqrec.accountant, **run_plan.as_params()})
+        tracking.log_params("compute", {"device": str(dev), "device_name": device.name(dev), "tf32": cfg.compute.tf32})
         tracking.log_metrics("data", {"seconds": data_seconds})
 
         def on_epoch(epoch: int, metrics: dict) -> None:
@@ -85,9 +88,19 @@ def run(cfg: DictConfig) -> Path:
             return evaluate.model_metrics(model, seqs.valid_input, seqs.valid_target, k=k,
                                           batch=int(cfg.seqrec.eval_batch))
 
+        device.reset_peak(dev)
         t0 = time.perf_counter()
-        model, history = train.run(seqs, cfg, run_plan, on_epoch=on_epoch, validate=validate)
-        tracking.log_metrics("train", {"seconds": time.perf_counter() - t0})
+        saved = out / checkpoint.NAME if cfg.seqrec.get("checkpoint", True) else None
+        resume = job.sweep is None or job.sweep.resume  # a single run re-launched into its folder, a resumed sweep
+        model, history = train.run(seqs, cfg, run_plan, on_epoch=on_epoch, validate=validate, device=dev,
+                                   checkpoint=saved, resume=resume, digest=job.digest)
+        device.synchronize(dev)
+        seconds = time.perf_counter() - t0
+        ran = len(history.epoch) - history.resumed_from  # this launch's epochs (a resumed run: those after its checkpoint)
+        tracking.log_metrics("train", {"seconds": seconds, "seconds_per_epoch": seconds / max(ran, 1)})
+        peak = device.peak_memory_gb(dev)
+        if peak is not None:
+            tracking.log_metrics("compute", {"peak_memory_gb": peak})
         rows = evaluate.run(model, seqs, cfg)
         results = pd.DataFrame([{
             "task": "seqrec", "dataset": cfg.dataset.name, "model": cfg.model.name, "clipping": cfg.clipping.name,
@@ -109,6 +122,7 @@ def run(cfg: DictConfig) -> Path:
             mlflow.log_artifact(str(path))
         tracking.log_metrics("cell", {"seconds": time.perf_counter() - start})
     job.finished(active.info.run_id)
+    checkpoint.remove(saved)  # FINISHED: the results stay, the optimizer state goes
     shown = results[["method", "split", f"ndcg{k}", f"hit{k}"]].to_string(index=False, float_format="%.3f")
     log.info("%s (sigma = %.4g, eps spent = %.4g)\n%s", name, run_plan.sigma, run_plan.eps_spent, shown)
     return csv

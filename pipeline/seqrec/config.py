@@ -94,6 +94,8 @@ def validate(cfg: DictConfig) -> None:
     _int(t.k, "seqrec.k", 1)
     if t.get("threads") is not None:
         _int(t.threads, "seqrec.threads", 1)
+    if not isinstance(t.get("checkpoint", True), bool):
+        raise ConfigError(f"seqrec.checkpoint must be true or false, got {t.get('checkpoint')!r}")
     ds = cfg.dataset
     _choice(ds.get("name"), "dataset.name", data.DATASETS)
     data.check_L(ds.get("L"))

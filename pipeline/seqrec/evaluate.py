@@ -18,13 +18,14 @@ def model_metrics(model, inputs: torch.Tensor, target: torch.Tensor, *, k: int, 
     (an n x M score matrix is never formed); metrics averaged over users with a target."""
     was = model.training
     model.eval()
+    device = next(model.parameters()).device
     ndcg = hit = 0.0
     n = 0
     for s in range(0, inputs.shape[0], batch):
         t = target[s:s + batch]
         if not bool((t != 0).any()):
             continue
-        scores = model(inputs[s:s + batch])[:, -1]
+        scores = model(inputs[s:s + batch].to(device))[:, -1]  # ranked where they are (metrics.ranks)
         scores = torch.cat([scores.new_full((scores.shape[0], 1), -torch.inf), scores], 1)  # column 0: padding
         m = metrics.rank_metrics(scores, t, k=k)
         ndcg += m[f"NDCG@{k}"] * m["n"]

@@ -15,7 +15,7 @@ from pipeline.validation import ConfigError
 
 @dataclass
 class Sequences:
-    """One row per user; item ids 1..n_items, 0 is padding. See the module docstring."""
+    """One row per user; item ids 1..n_items, 0 is padding. pipeline/seqrec/data.py documents the fields."""
 
     n_items: int  # M
     train: torch.LongTensor  # (n_users, L + 1): last L + 1 items of the training part, left-padded

@@ -25,7 +25,7 @@ The generator (every constant is a key of ``conf/seqrec/dataset/synthetic_longta
   (lag ~ decay^(lag-1) on 1..lag_max, cut at the first item: lag_eff = min(lag, t)), otherwise
   a topic draw. So P(x_t = j | past, theta_u) = beta sum_l pi'_l T(x_{t-l}, j) + (1 - beta) q_u(j).
 
-Ground truth returned in :class:`~pipeline.seqrec.Sequences`:
+Ground truth returned in :class:`~pipeline.seqrec.sequences.Sequences`:
 
 - ``best``: NDCG@10 and HIT@10 (%) on the test targets of the oracle that ranks items by the
   exact conditional probability above (it knows T, p, the topics and theta_u). No predictor

@@ -11,14 +11,19 @@ from omegaconf import DictConfig
 
 class SeqRec:
     name = "seqrec"
+    devices = ("cpu", "cuda")
+    audit_devices = ("cpu",)
 
     def validate(self, cfg: DictConfig) -> None:
         from pipeline.seqrec import config
 
         config.validate(cfg)
 
-    def memory(self, cfg: DictConfig, checked) -> None:
-        return None  # no memory model yet: the cell's data are read in run_cell
+    def memory(self, cfg: DictConfig, checked):
+        from pipeline import device
+        from pipeline.seqrec import memory
+
+        return memory.estimate(cfg, str(device.of(cfg, self.devices)))
 
     def run_cell(self, cfg: DictConfig, checked) -> Path:
         from pipeline.seqrec import cell

@@ -14,8 +14,10 @@ clipping, no noise).
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Callable
 
 import pandas as pd
@@ -24,7 +26,10 @@ from omegaconf import OmegaConf
 from tqdm import tqdm
 
 from pipeline import privacy
+from pipeline.seqrec import checkpoint as checkpoints
 from pipeline.seqrec import clipping, models, reattention
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -86,8 +91,10 @@ def plan(cfg, n_users: int) -> Plan:
 
 def noisy_gradient(engine, model, ids, targets, *, sigma: float, C: float, expected_batch: int,
                    generator: torch.Generator | None):
-    """One DP-SGD gradient (Eq. 3.1): (sum_i c_i g_i + sigma C N(0, I)) / B, left in ``p.grad``.
-    Returns the per-user losses and norms (None for the non-private engine)."""
+    """One DP-SGD gradient (Eq. 3.1): (sum_i c_i g_i + sigma C N(0, I)) / B, left in ``p.grad``: the
+    one place where DP-SGD's noise is added (drawn from ``generator`` on the parameters' device, in
+    their dtype: float32 for every training run). Returns the per-user losses and norms (None for
+    the non-private engine)."""
     if ids.shape[0]:
         losses, norms = engine.step(ids, targets)
     else:  # an empty Poisson sample: the noise alone
@@ -122,6 +129,16 @@ class History:
     loss: list[float] = field(default_factory=list)
     mean_norm: list[float] = field(default_factory=list)
     valid: list[dict] = field(default_factory=list)  # {epoch, NDCG@k, HIT@k}
+    resumed_from: int = 0  # the epoch of the checkpoint this launch continued from (0: none)
+
+    def metrics(self):
+        """(epoch, metrics) as ``run`` hands them to ``on_epoch``: the loss, the mean gradient norm
+        (private runs) and the validation metrics of the epochs that were evaluated."""
+        valid = {v["epoch"]: v for v in self.valid}
+        for epoch, loss, norm in zip(self.epoch, self.loss, self.mean_norm):
+            out = {"loss": loss} | ({"mean_grad_norm": norm} if norm == norm else {})
+            out |= {f"valid_{k}": v for k, v in valid.get(epoch, {}).items() if k != "epoch"}
+            yield epoch, out
 
     def frame(self) -> pd.DataFrame:
         """One row per epoch: loss, mean_norm and the validation metrics (NaN where not evaluated)."""
@@ -132,11 +149,17 @@ class History:
 
 
 def run(seqs, cfg, run_plan: Plan, on_epoch: Callable[[int, dict], None] | None = None,
-        validate: Callable[[torch.nn.Module], dict] | None = None):
-    """Train the configured model on ``seqs.train``; return (model, History)."""
+        validate: Callable[[torch.nn.Module], dict] | None = None, device: torch.device | str = "cpu",
+        checkpoint: Path | None = None, resume: bool = False, digest: str = ""):
+    """Train the configured model on ``seqs.train``; return (model, History). The model, the
+    training rows, the Poisson sampling and the noise live on ``device`` (one generator there, seeded
+    as on the CPU: a CPU run's numbers do not depend on this argument). With ``checkpoint`` (a
+    path), the state is saved there at the end of every epoch; with ``resume``, a checkpoint there
+    of the same config (``digest``) is continued from (``pipeline/seqrec/checkpoint.py``)."""
     train = cfg.seqrec
+    device = torch.device(device)
     torch.manual_seed(int(cfg.seed))
-    model = build(cfg.model, seqs.n_items, seqs.L)
+    model = build(cfg.model, seqs.n_items, seqs.L).to(device)
     if cfg.model.get("reattention") is not None:  # model=dpformer: Re-Attention's effective errors
         reattention.calibrate(model, seqs.train, sigma_dp=run_plan.sigma, C=float(cfg.clipping.C),
                               batch_size=run_plan.batch_size, presence_multiplier=run_plan.presence_multiplier,
@@ -144,18 +167,31 @@ def run(seqs, cfg, run_plan: Plan, on_epoch: Callable[[int, dict], None] | None 
     engine = clipping.make(cfg.clipping.name, model, cfg.clipping)
     opt = torch.optim.Adam(model.parameters(), lr=float(train.lr), weight_decay=float(train.weight_decay))
     sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule(run_plan.steps, float(train.warmup)))
-    gen = torch.Generator().manual_seed(int(cfg.seed) + 1)
+    gen = torch.Generator(device=device).manual_seed(int(cfg.seed) + 1)  # Poisson sampling and noise
     C = float(cfg.clipping.C)
     history = History()
-    rows = seqs.train
-    bar = tqdm(total=run_plan.steps, desc="train", unit="step", leave=False, disable=None)  # quiet off a terminal
-    for epoch in range(1, int(train.epochs) + 1):
+    rows = seqs.train.to(device)
+    first = 1
+    key = checkpoints.key(digest, device)
+    state = checkpoints.load(checkpoint, key) if resume else None
+    if state is not None:
+        checkpoints.restore(state, model=model, opt=opt, sched=sched, gen=gen)
+        history = History(**state["history"] | {"resumed_from": int(state["epoch"])})
+        first = int(state["epoch"]) + 1
+        log.info("resume: %s holds epoch %d of %d; continuing from epoch %d", checkpoint, state["epoch"],
+                 int(train.epochs), first)
+        if on_epoch is not None:  # the restored epochs' metrics, for this run's record
+            for epoch, metrics in history.metrics():
+                on_epoch(epoch, metrics)
+    bar = tqdm(total=run_plan.steps, initial=(first - 1) * run_plan.steps_per_epoch, desc="train", unit="step",
+               leave=False, disable=None)  # quiet off a terminal
+    for epoch in range(first, int(train.epochs) + 1):
         model.train()
         loss_sum, users, norm_sum = 0.0, 0, 0.0
         bar.set_postfix_str(f"epoch {epoch}/{train.epochs}", refresh=False)
         for _ in range(run_plan.steps_per_epoch):
             bar.update()
-            pick = (torch.rand(run_plan.n_users, generator=gen) < run_plan.sample_rate).nonzero().squeeze(1)
+            pick = (torch.rand(run_plan.n_users, generator=gen, device=device) < run_plan.sample_rate).nonzero().squeeze(1)
             batch = rows[pick]
             losses, norms = noisy_gradient(engine, model, batch[:, :-1], batch[:, 1:], sigma=run_plan.sigma, C=C,
                                            expected_batch=run_plan.batch_size, generator=gen)
@@ -175,6 +211,11 @@ def run(seqs, cfg, run_plan: Plan, on_epoch: Callable[[int, dict], None] | None 
             found = validate(model)
             history.valid.append({"epoch": epoch, **found})
             metrics.update({f"valid_{k}": v for k, v in found.items()})
+        if checkpoint is not None:
+            accountant = {"accountant": str(train.accountant),  # its history: (sigma, q, steps) so far
+                          "history": [[run_plan.sigma, run_plan.sample_rate, epoch * run_plan.steps_per_epoch]]}
+            checkpoints.save(checkpoint, key=key, epoch=epoch, model=model, opt=opt, sched=sched, gen=gen,
+                             history=history, accountant=accountant)
         if on_epoch is not None:
             on_epoch(epoch, metrics)
     bar.close()

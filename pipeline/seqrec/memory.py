@@ -1,0 +1,73 @@
+"""DPFormer's memory model: the bytes of a cell's largest tensors, from the config and the data's
+size, checked against the memory of the cell's device before anything is computed
+(``pipeline.preflight.memory``: the GPU's free memory on CUDA, MemAvailable on the CPU, times the
+cells a joblib sweep runs at once).
+
+The full-softmax scores dominate: a step holds B' x L x M float32 scores about 3.5 times (the
+logits, their softmax, its gradient, and temporaries: the CPU step benchmark measured 3.3 to 3.9
+copies at M = 23,715, ``tests/test_preflight.py`` checks the bound against a measured step), B' the
+expected batch B plus four of its standard deviations (Poisson sampling); evaluation holds ``seqrec.eval_batch`` x M twice; the parameters four times
+(values, gradients, Adam's two moments), and Opacus's per-sample engine one gradient per user.
+The sizes are upper bounds read before the data are built: the synthetic generator's
+``n_users``/``n_items``, or a file's distinct users and items (at most ``dataset.max_items``)."""
+
+from __future__ import annotations
+
+import math
+from functools import lru_cache
+from pathlib import Path
+
+import numpy as np
+from omegaconf import DictConfig
+
+from pipeline.seqrec import data
+from pipeline.task import Memory
+
+FLOAT = 4  # bytes: every training tensor is float32
+SCORE_COPIES = 3.5  # B' x L x M float32 tensors a step holds at its peak
+
+
+@lru_cache(maxsize=8)
+def _file_sizes(path: str, mtime_ns: int, fmt: str) -> tuple[int, int]:
+    users, items, _ = data.read_interactions(Path(path), fmt)
+    return int(np.unique(users).size), int(np.unique(items).size)
+
+
+def sizes(ds: DictConfig) -> tuple[int, int]:
+    """(users, items), upper bounds of the data set's, known before it is built."""
+    if ds.name == "synthetic_longtail":
+        return int(ds.n_users), int(ds.n_items)
+    path = data.resolve(ds.get("path"))
+    users, items = _file_sizes(str(path), path.stat().st_mtime_ns, str(ds.get("format", "auto")))
+    top = ds.get("max_items")
+    return users, min(items, int(top)) if top else items
+
+
+def parameters(m: DictConfig, M: int, L: int) -> int:
+    d = int(m.d)
+    tables = (M + 1) * d * (1 if m.tied else 2) + L * d
+    if m.arch == "transformer":
+        return tables + int(m.blocks) * (4 * d * d + 2 * d * int(m.d_ff) + 9 * d)
+    return tables + int(m.layers) * 4 * 3 * d * d  # a GRU's or LSTM's gates, generously
+
+
+def estimate(cfg: DictConfig, device: str) -> Memory:
+    users, M = sizes(cfg.dataset)
+    L = int(cfg.dataset.L)
+    B = min(int(cfg.seqrec.batch_size), users)
+    batch = min(users, B + math.ceil(4 * math.sqrt(B)))
+    n = parameters(cfg.model, M, L)
+    parts = {
+        "batch scores": int(SCORE_COPIES * FLOAT * batch * L * (M + 1)),
+        "evaluation scores": 2 * FLOAT * min(int(cfg.seqrec.eval_batch), users) * (M + 1),
+        "parameters and Adam": 4 * FLOAT * n,
+    }
+    if cfg.clipping.name == "per_sample":
+        parts["per-user gradients"] = FLOAT * batch * n
+    if parts["evaluation scores"] > parts["batch scores"]:
+        key, value, advice = "seqrec.eval_batch", cfg.seqrec.eval_batch, "lower seqrec.eval_batch"
+    elif L > B:
+        key, value, advice = "dataset.L", L, f"lower dataset.L or seqrec.batch_size (= {B})"
+    else:
+        key, value, advice = "seqrec.batch_size", cfg.seqrec.batch_size, f"lower seqrec.batch_size or dataset.L (= {L})"
+    return Memory(parts, key, value, f"{advice} (M = {M} items)", device)

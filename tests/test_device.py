@@ -1,0 +1,151 @@
+"""compute.device (pipeline/device.py): its values, its refusals before compute, and DPFormer on CUDA.
+
+The tests marked ``cuda`` run where torch sees a CUDA device and are skipped (counted as skipped)
+elsewhere, CI included (tests/conftest.py)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from pipeline import device
+from pipeline.validation import ConfigError
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+
+@pytest.mark.parametrize("spec", ["gpu", "cpu:0", "cuda:x", "CUDA", "", 3, None, "auto:1"])
+def test_unknown_devices_are_refused(spec):
+    with pytest.raises(ConfigError, match=r"compute.device .* is unknown; known: auto, cpu, cuda, cuda:N"):
+        device.resolve(spec)
+
+
+def test_auto_is_cuda_only_where_torch_sees_one_and_the_task_runs_there(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert device.resolve("auto") == torch.device("cpu")
+    with pytest.raises(ConfigError, match=r"^compute.device = 'cuda': torch sees no CUDA device"):
+        device.resolve("cuda")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    assert device.resolve("auto") == torch.device("cuda", 0)
+    assert device.resolve("cuda:1") == torch.device("cuda", 1)
+    with pytest.raises(ConfigError, match=r"this machine has 2 CUDA device\(s\), cuda:0 to cuda:1"):
+        device.resolve("cuda:2")
+    assert device.resolve("auto", ("cpu",)) == torch.device("cpu")  # a CPU-only task stays on the CPU
+    with pytest.raises(ConfigError, match=r"task=noisyhead runs on cpu only"):
+        device.resolve("cuda", ("cpu",), "task=noisyhead")
+    assert device.resolve("cpu") == torch.device("cpu")
+
+
+def run(*args: str, tmp_path, module: str = "pipeline"):
+    cmd = [sys.executable, "-m", module, f"mlflow.tracking_uri=sqlite:///{tmp_path / 'mlflow.db'}",
+           f"hydra.run.dir={tmp_path / 'run'}", f"hydra.sweep.dir={tmp_path / 'sweep'}", *args]
+    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA: compute.device=cuda is not refused")
+@pytest.mark.parametrize("args, needle", [
+    (("experiment=dpformer_ci", "compute.device=cuda"), "error: compute.device = 'cuda': torch sees no CUDA device"),
+    (("compute.device=cuda:1",), "error: compute.device = 'cuda:1': "),
+    (("experiment=dpformer_ci", "compute.device=gpu"), "error: compute.device 'gpu' is unknown"),
+    (("experiment=dpformer_ci", "compute.device=cuda", "seed=0,1", "-m"), "error: in the sweep cell"),
+])
+def test_a_device_the_machine_lacks_is_one_error_line_before_anything(args, needle, tmp_path):
+    proc = run(*args, tmp_path=tmp_path)
+    errors = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert proc.returncode == 2 and len(errors) == 1 and errors[0].startswith(needle), proc.stderr[-2000:]
+    assert not (tmp_path / "run").exists() and not (tmp_path / "sweep").exists()
+    assert not (tmp_path / "mlflow.db").exists()
+
+
+def test_noisyhead_refuses_a_gpu_it_would_not_use(tmp_path, monkeypatch):
+    """NoisyHead runs on the CPU in this release: an explicit cuda is refused, not ignored."""
+    from pipeline.noisyhead.task import TASK
+
+    assert TASK.devices == ("cpu",)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(ConfigError, match=r"^compute.device = 'cuda': task=noisyhead runs on cpu only"):
+        device.resolve("cuda", TASK.devices, "task=noisyhead")
+
+
+@pytest.mark.parametrize("preset", [(), ("experiment=dpformer_ci",)], ids=["noisyhead", "seqrec"])
+def test_the_audit_refuses_a_gpu_before_its_folder(tmp_path, monkeypatch, preset):
+    """The audit runs on the CPU (Task.audit_devices): a GPU is refused by the preflight callback,
+    before Hydra creates the run folder, whether or not the machine has one."""
+    from pipeline import preflight
+
+    with pytest.raises(ConfigError, match=r"^compute.device = 'cuda': the (seqrec|noisyhead) audit runs on cpu only"):
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+        monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+        from hydra import compose, initialize_config_dir
+
+        with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+            cfg = compose("audit", overrides=[*preset, "compute.device=cuda"])
+        preflight.check(cfg, tmp_path / "run", "hydra.run.dir")
+    assert not (tmp_path / "run").exists()
+    monkeypatch.undo()
+    if not torch.cuda.is_available():  # and through the CLI: one line, exit 2, no folder, no store
+        proc = subprocess.run([sys.executable, "-m", "pipeline.audit", *preset, "compute.device=cuda", "audit.runs=100",
+                               f"hydra.run.dir={tmp_path / 'run'}", f"mlflow.tracking_uri=sqlite:///{tmp_path / 'mlflow.db'}"],
+                              cwd=ROOT, capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 2 and "error: compute.device = 'cuda'" in proc.stderr, proc.stderr[-2000:]
+        assert not (tmp_path / "run").exists() and not (tmp_path / "mlflow.db").exists()
+
+
+# --- on a GPU -------------------------------------------------------------------------------
+
+TINY = dict(arch="transformer", tied=True, d=16, heads=2, blocks=2, d_ff=32, layers=1, dropout=0.0, init_std=0.02)
+
+
+@pytest.mark.cuda
+def test_phantom_norms_on_cuda_match_the_cpu():
+    """The same model and batch: Phantom's per-user norms on CUDA equal the CPU's to 1e-5 (relative)."""
+    from pipeline.seqrec import clipping, train
+
+    torch.manual_seed(0)
+    cpu = train.build(OmegaConf.create(TINY), 300, 12).double()
+    gpu = train.build(OmegaConf.create(TINY), 300, 12).double()
+    gpu.load_state_dict(cpu.state_dict())
+    gpu = gpu.cuda()
+    ids = torch.randint(0, 301, (16, 13))
+    clip = OmegaConf.create({"rule": "automatic", "C": 1.0, "gamma": 0.01, "norm_form": "auto"})
+    _, n_cpu = clipping.make("phantom", cpu, clip).step(ids[:, :-1], ids[:, 1:])
+    _, n_gpu = clipping.make("phantom", gpu, clip).step(ids[:, :-1].cuda(), ids[:, 1:].cuda())
+    torch.testing.assert_close(n_gpu.cpu(), n_cpu, rtol=1e-5, atol=1e-9)
+
+
+@pytest.mark.cuda
+def test_training_on_cuda_is_reproducible_and_stays_on_the_device(cfg_for):
+    """Two runs with the same seed on CUDA give the same history; the model ends on the GPU."""
+    from pipeline.seqrec import data, train
+
+    cfg = cfg_for("experiment=dpformer_ci", "compute.device=cuda")
+    seqs = data.load(cfg.dataset, int(cfg.dataset.L), 0)
+    dev = device.of(cfg)
+    device.configure(cfg, dev)  # as the cell does: deterministic algorithms on
+    histories = []
+    for _ in range(2):
+        model, history = train.run(seqs, cfg, train.plan(cfg, seqs.n_users), device=dev)
+        assert next(model.parameters()).is_cuda
+        histories.append(history.frame())
+    assert histories[0].equals(histories[1])
+
+
+@pytest.mark.cuda
+def test_a_cuda_cell_runs_end_to_end_and_logs_its_device(tmp_path):
+    proc = run("experiment=dpformer_ci", "compute.device=cuda", tmp_path=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    import mlflow
+
+    mlflow.set_tracking_uri(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    runs = mlflow.search_runs(search_all_experiments=True)
+    assert runs["params.compute.device"].iloc[0].startswith("cuda")
+    assert float(runs["metrics.compute.peak_memory_gb"].iloc[0]) > 0

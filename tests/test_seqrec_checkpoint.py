@@ -1,0 +1,90 @@
+"""A DPFormer run stopped after an epoch and re-launched continues from its checkpoint
+(pipeline/seqrec/checkpoint.py) and ends with the numbers of an uninterrupted run, bit for bit."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pandas as pd
+import pytest
+import torch
+
+from pipeline.seqrec import checkpoint, data, evaluate, train
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+class Stop(Exception):
+    pass
+
+
+def _train(cfg, seqs, **kw):
+    """A run that validates every epoch (eval mode in between must not disturb the generators)."""
+    return train.run(seqs, cfg, train.plan(cfg, seqs.n_users), **kw,
+                     validate=lambda m: evaluate.model_metrics(m, seqs.valid_input, seqs.valid_target, k=10, batch=64))
+
+
+@pytest.mark.parametrize("model", ["transformer", "dpformer"])
+def test_a_stopped_run_resumes_to_the_uninterrupted_numbers(cfg_for, tmp_path, model):
+    cfg = cfg_for("experiment=dpformer_ci", f"model={model}", "seqrec.epochs=4", "model.dropout=0.3")
+    seqs = data.load(cfg.dataset, int(cfg.dataset.L), 0)
+    whole, history = _train(cfg, seqs, checkpoint=tmp_path / "whole.pt", digest="d")
+
+    def stop_after_two(epoch, metrics):
+        if epoch == 2:
+            raise Stop  # as a kill right after the epoch's checkpoint was written
+
+    path = tmp_path / "stopped.pt"
+    with pytest.raises(Stop):
+        _train(cfg, seqs, on_epoch=stop_after_two, checkpoint=path, digest="d")
+    assert torch.load(path, weights_only=False)["epoch"] == 2
+    logged = []
+    resumed, again = _train(cfg, seqs, checkpoint=path, resume=True, digest="d",
+                            on_epoch=lambda epoch, m: logged.append((epoch, m)))
+    assert again.resumed_from == 2  # epochs 3 and 4 trained; 1 and 2 restored, their metrics logged again
+    assert logged == list(again.metrics()) and [e for e, _ in logged] == [1, 2, 3, 4]
+    assert again.frame().equals(history.frame())
+    for (name, a), (_, b) in zip(whole.state_dict().items(), resumed.state_dict().items()):
+        assert torch.equal(a, b), name
+
+
+def test_a_checkpoint_of_another_config_is_not_resumed(cfg_for, tmp_path):
+    cfg = cfg_for("experiment=dpformer_ci", "seqrec.epochs=2")
+    seqs = data.load(cfg.dataset, int(cfg.dataset.L), 0)
+    path = tmp_path / checkpoint.NAME
+    train.run(seqs, cfg, train.plan(cfg, seqs.n_users), checkpoint=path, digest="one")
+    _, history = train.run(seqs, cfg, train.plan(cfg, seqs.n_users), checkpoint=path, resume=True, digest="two")
+    assert history.resumed_from == 0 and history.epoch == [1, 2]  # started over
+    path.write_bytes(b"not a checkpoint")
+    assert checkpoint.load(path, "two") is None  # a damaged file is not resumed from either
+
+
+def test_a_killed_cell_relaunched_into_its_folder_continues(tmp_path):
+    """Through the CLI: SIGKILL after the first epoch's checkpoint, the same command again, and the
+    results of an uninterrupted run; the checkpoint is gone once the run FINISHED."""
+    common = [sys.executable, "-m", "pipeline", "experiment=dpformer_ci", "seqrec.epochs=12", "compute.device=cpu",
+              f"mlflow.tracking_uri=sqlite:///{tmp_path / 'mlflow.db'}"]
+    folder = tmp_path / "run"
+    proc = subprocess.Popen([*common, f"hydra.run.dir={folder}"], cwd=ROOT, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    deadline = time.time() + 300
+    while not (folder / checkpoint.NAME).exists() and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert not (folder / "results.csv").exists(), "the run finished before it could be killed"
+    stopped_at = torch.load(folder / checkpoint.NAME, weights_only=False)["epoch"]
+    assert 1 <= stopped_at < 12
+    again = subprocess.run([*common, f"hydra.run.dir={folder}"], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert f"continuing from epoch {stopped_at + 1}" in again.stdout + again.stderr
+    whole = subprocess.run([*common, f"hydra.run.dir={tmp_path / 'whole'}"], cwd=ROOT, capture_output=True, text=True,
+                           timeout=600)
+    assert whole.returncode == 0, whole.stderr[-2000:]
+    assert pd.read_csv(folder / "results.csv").equals(pd.read_csv(tmp_path / "whole" / "results.csv"))
+    assert pd.read_csv(folder / "history.csv").equals(pd.read_csv(tmp_path / "whole" / "history.csv"))
+    assert not (folder / checkpoint.NAME).exists() and not (tmp_path / "whole" / checkpoint.NAME).exists()
