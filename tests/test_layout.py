@@ -23,21 +23,12 @@ MODULES = {module_name(p): p for folder in ("pipeline", "hydra_plugins") for p i
            if "__pycache__" not in p.parts}
 
 
-def _runtime_nodes(tree: ast.AST):
-    """Every node, less the bodies of ``if TYPE_CHECKING:`` (imported for annotations only, never run)."""
-    for node in ast.iter_child_nodes(tree):
-        if isinstance(node, ast.If) and isinstance(node.test, ast.Name) and node.test.id == "TYPE_CHECKING":
-            yield from (n for child in node.orelse for n in [child, *_runtime_nodes(child)])
-            continue
-        yield node
-        yield from _runtime_nodes(node)
-
-
 def imports(path: Path) -> set[str]:
-    """The project modules ``path`` imports when it runs (``from pipeline.seqrec import data`` names
-    the module ``pipeline.seqrec.data``; a name that is no module names its package)."""
+    """The project modules ``path`` imports, ``if TYPE_CHECKING:`` blocks included (``from
+    pipeline.seqrec import data`` names the module ``pipeline.seqrec.data``; a name that is no module
+    names its package)."""
     found = set()
-    for node in _runtime_nodes(ast.parse(path.read_text(), filename=str(path))):
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
         if isinstance(node, ast.Import):
             found.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:

@@ -8,37 +8,14 @@ refuses, before any compute, a config that the algorithm cannot run on.
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
 
 from omegaconf import DictConfig, ListConfig
 
 from pipeline import privacy
+from pipeline.noisyhead.constants import Constants
 from pipeline.validation import ConfigError
 from pipeline.validation import number as _number
 from pipeline.validation import positive_int as _positive_int
-
-
-@dataclass(frozen=True)
-class Constants:
-    """The numbers one cell runs with, rules already applied."""
-
-    N: int
-    L: int
-    D: int
-    lam: float
-    tau: float
-    C: float
-    G: float
-    R: float
-    eta0: float
-    T: tuple[int, ...]  # one or more horizons; every T is its own private run
-    init_scale: float
-    sigma: float  # sensitivity constant of Theorem 3.2: 2 G (C + R G)
-
-    def as_params(self) -> dict[str, object]:
-        d = asdict(self)
-        d["T"] = ",".join(str(t) for t in self.T)
-        return d
 
 
 def _positive(value, key: str) -> float:

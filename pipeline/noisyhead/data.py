@@ -18,7 +18,6 @@ import logging
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
@@ -26,10 +25,8 @@ from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
 from pipeline import rng
+from pipeline.noisyhead.constants import Constants
 from pipeline.noisyhead.features import Features, from_tokens, privatize
-
-if TYPE_CHECKING:  # annotations only: config -> data is the direction the steps run in
-    from pipeline.noisyhead.config import Constants
 
 log = logging.getLogger(__name__)
 

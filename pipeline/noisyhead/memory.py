@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from omegaconf import DictConfig
 
-from pipeline.noisyhead.config import Constants
+from pipeline.noisyhead.constants import Constants
 from pipeline.noisyhead.methods import ESTIMATORS, ridge
 from pipeline.noisyhead.methods.noisyhead import horizons
 from pipeline.task import Memory
