@@ -1,13 +1,17 @@
 """Speed and memory of the paper's figures, and the batched pipeline against a per-trial loop.
 
-    python -m benchmarks.figures            # Figures 1-3 at B = 500, then the side-by-side cell
+    python -m benchmarks.figures                  # Figures 1-4 at B = 500, then the side-by-side cell
+    python -m benchmarks.figures --device cuda    # the same on a GPU (compute.device=cuda)
     python -m benchmarks.figures --only cell
 
 Each figure runs as a user would run it (``python -m pipeline experiment=... -m``, MLflow
-and plots included) in a child process, into a scratch MLflow store; wall time and the
-child's peak resident memory are printed. The side-by-side part times one Figure-1 cell
-(N = 1000, eps = 0.2, B = 500) in this process: the pipeline's data, fit and evaluate
-steps, then ``benchmarks/baseline_numpy.py``'s plain per-trial loop of the same protocol.
+and plots included) in a child process on ``--device`` (``compute.device``), into a scratch
+MLflow store; printed: the wall time (process start, imports and MLflow included), the sum of
+its cells' own seconds (``metrics.cell.seconds``: the compute), the child's peak resident
+memory, and on a GPU the largest peak device memory of its cells (``compute.peak_memory_gb``).
+The side-by-side part times one Figure-1 cell (N = 1000, eps = 0.2, B = 500) in this process:
+the pipeline's data, fit and evaluate steps on ``--device``, then
+``benchmarks/baseline_numpy.py``'s plain per-trial loop of the same protocol (NumPy, CPU).
 """
 
 from __future__ import annotations
@@ -21,13 +25,15 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-FIGURES = ("fig1_lowdim", "fig2_highdim", "fig3_overparam")
+FIGURES = ("fig1_lowdim", "fig2_highdim", "fig3_overparam", "fig4_robustness")
 
 
-def run_figure(name: str, scratch: Path) -> tuple[float, float]:
-    """Wall seconds and peak RSS (GB) of one figure's sweep, run as a child process."""
-    cmd = [sys.executable, "-m", "pipeline", f"experiment={name}",
-           f"mlflow.tracking_uri=sqlite:///{scratch / 'mlflow.db'}", f"hydra.sweep.dir={scratch / name}", "-m"]
+def run_figure(name: str, scratch: Path, device: str) -> tuple[float, float, float, float | None]:
+    """Wall seconds, the cells' summed seconds, peak RSS (GB) and peak device memory (GiB; None on the
+    CPU) of one figure's sweep, run as a child process."""
+    store = f"sqlite:///{scratch / name / 'mlflow.db'}"
+    cmd = [sys.executable, "-m", "pipeline", f"experiment={name}", f"compute.device={device}",
+           f"mlflow.tracking_uri={store}", f"hydra.sweep.dir={scratch / name}", "-m"]
     start = time.perf_counter()
     with open(scratch / f"{name}.log", "w") as log:
         proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
@@ -35,30 +41,42 @@ def run_figure(name: str, scratch: Path) -> tuple[float, float]:
     seconds = time.perf_counter() - start
     if status != 0:
         raise SystemExit(f"{name} failed; see {scratch / f'{name}.log'}")
-    return seconds, usage.ru_maxrss / 1e6  # ru_maxrss is in KiB on Linux
+    import mlflow
+
+    mlflow.set_tracking_uri(store)
+    cells = mlflow.search_runs(search_all_experiments=True, filter_string="tags.kind = 'cell'")
+    compute = float(cells["metrics.cell.seconds"].sum())
+    gpu = None
+    if not device.startswith("cpu") and cells["params.compute.device"].str.startswith("cuda").any():
+        gpu = float(cells["metrics.compute.peak_memory_gb"].max())
+    return seconds, compute, usage.ru_maxrss / 1e6, gpu  # ru_maxrss is in KiB on Linux
 
 
-def side_by_side(trials: int) -> None:
+def side_by_side(trials: int, device_spec: str) -> None:
     import torch
     from hydra import compose, initialize_config_dir
 
     from benchmarks import baseline_numpy
+    from pipeline import device
     from pipeline.noisyhead import config, data, evaluate
     from pipeline.noisyhead.methods import ESTIMATORS
 
     def cfg_for(B: int):
         with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
-            return compose("config", overrides=["regime=lowdim", "regime.N=1000", "privacy.eps=0.2", f"trials={B}"])
+            return compose("config", overrides=["regime=lowdim", "regime.N=1000", "privacy.eps=0.2", f"trials={B}",
+                                                f"compute.device={device_spec}"])
 
     def batched(cfg, const) -> tuple[float, float, torch.Tensor]:
         """Seconds for the prompts, seconds for the estimators and evaluation, NoisyHead's excess risks."""
         start = time.perf_counter()
-        problem = data.make_problem(cfg, const)
+        problem = data.make_problem(cfg, const, dev)
+        device.synchronize(dev)
         prompts = time.perf_counter() - start
         fits = {name: ESTIMATORS[spec.estimator].fit(problem, const, cfg, spec) for name, spec in cfg.method.items()}
         excess = [evaluate.gap(fits[m].gamma, fits["ridge"].gamma, problem.test, cfg.compute.chunk_trials)
                   for m in ("gd", "noisyhead")]
-        return prompts, time.perf_counter() - start - prompts, excess[1][:, 0]
+        device.synchronize(dev)
+        return prompts, time.perf_counter() - start - prompts, excess[1][:, 0].cpu()
 
     def looped(cfg, const) -> tuple[float, float, torch.Tensor]:
         clock = {"prompts": 0.0}
@@ -67,14 +85,16 @@ def side_by_side(trials: int) -> None:
                                    n_test=cfg.dataset.n_test, clock=clock)
         return clock["prompts"], time.perf_counter() - start - clock["prompts"], torch.from_numpy(risks[:, 1])
 
+    dev = device.of(cfg_for(4))
+    device.configure(cfg_for(4), dev)
     warm = cfg_for(4)  # first calls (thread pools, kernels, allocator) are paid before the clock starts
     for run in (batched, looped):
         run(warm, config.validate(warm))
     cfg = cfg_for(trials)
     const = config.validate(cfg)
     rows = {"batched pipeline": batched(cfg, const), "per-trial NumPy": looped(cfg, const)}
-    print(f"\nOne Figure-1 cell (N = 1000, eps = 0.2, B = {trials}, torch threads = {torch.get_num_threads()}),"
-          " both warmed up on 4 trials first:")
+    print(f"\nOne Figure-1 cell (N = 1000, eps = 0.2, B = {trials}, torch threads = {torch.get_num_threads()}, "
+          f"pipeline on {dev}: {device.name(dev)}), both warmed up on 4 trials first:")
     print(f"  {'':18} {'total':>8} {'prompts':>9} {'estimators':>11} {'trials/s':>9}")
     for name, (prompts, rest, _) in rows.items():
         print(f"  {name:18} {prompts + rest:7.2f}s {prompts:8.2f}s {rest:10.2f}s {trials / (prompts + rest):9.1f}")
@@ -91,18 +111,30 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--only", choices=("figures", "cell"), help="run only one part")
     parser.add_argument("--trials", type=int, default=500, help="B of the side-by-side cell")
+    parser.add_argument("--device", default="auto", help="compute.device: auto, cpu, cuda or cuda:N (default auto)")
     args = parser.parse_args()
+    from pipeline import device
+    from pipeline.validation import ConfigError
+
+    try:
+        dev = device.resolve(args.device)
+    except ConfigError as err:
+        raise SystemExit(f"error: --device: {err}")
+    print(f"device: {dev} ({device.name(dev)})")
     if args.only != "cell":
-        total = 0.0
+        totals = [0.0, 0.0]
         with tempfile.TemporaryDirectory() as tmp:
-            print(f"{'figure':<16} {'wall time':>10} {'peak memory':>12}")
+            print(f"{'figure':<16} {'wall time':>10} {'cells':>9} {'peak RSS':>10} {'peak GPU memory':>16}")
             for name in FIGURES:
-                seconds, peak = run_figure(name, Path(tmp))
-                total += seconds
-                print(f"{name:<16} {seconds:>9.1f}s {peak:>10.2f} GB", flush=True)
-        print(f"{'total':<16} {total:>9.1f}s")
+                (Path(tmp) / name).mkdir()
+                seconds, compute, peak, gpu = run_figure(name, Path(tmp), str(dev))
+                totals[0] += seconds
+                totals[1] += compute
+                shown = f"{gpu:>12.2f} GiB" if gpu is not None else f"{'-':>16}"
+                print(f"{name:<16} {seconds:>9.1f}s {compute:>8.1f}s {peak:>7.2f} GB {shown}", flush=True)
+        print(f"{'total':<16} {totals[0]:>9.1f}s {totals[1]:>8.1f}s")
     if args.only != "figures":
-        side_by_side(args.trials)
+        side_by_side(args.trials, str(dev))
 
 
 if __name__ == "__main__":

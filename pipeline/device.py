@@ -78,9 +78,16 @@ def configure(cfg: DictConfig, device: torch.device) -> None:
 
 
 def name(device: torch.device) -> str:
-    """The device's name as a run records it (``NVIDIA H100 80GB HBM3``, ``cpu``)."""
+    """The device's name as a run records it: the GPU's (``NVIDIA H100 80GB HBM3``), or the CPU's model
+    from /proc/cpuinfo (``cpu`` where that cannot be read)."""
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
+    try:
+        for line in open("/proc/cpuinfo", encoding="utf-8", errors="replace"):
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip() or "cpu"
+    except OSError:
+        pass
     return "cpu"
 
 
@@ -98,10 +105,20 @@ def reset_peak(device: torch.device) -> None:
 
 
 def peak_memory_gb(device: torch.device) -> float | None:
-    """The largest memory the process's tensors held on ``device`` since ``reset_peak`` (CUDA only)."""
-    if device.type != "cuda":
+    """Peak memory in GiB: on CUDA, the largest the process's tensors held on ``device`` since
+    ``reset_peak``; on the CPU, the process's peak resident set since it started (the kernel's
+    ``ru_maxrss``, which cannot be reset: in a process that runs several cells, the largest so far).
+    None where neither can be read."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    try:
+        import resource
+    except ImportError:  # not a Unix
         return None
-    return torch.cuda.max_memory_allocated(device) / 2**30
+    import sys
+
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # kilobytes on Linux, bytes on macOS
+    return peak / (2**30 if sys.platform == "darwin" else 2**20)
 
 
 def synchronize(device: torch.device) -> None:

@@ -91,9 +91,23 @@ def grid(overrides: Sequence[Sequence[str]]) -> dict[str, list[str]]:
     return values
 
 
+COMPUTE = {"device_name": "device", "seconds": "seconds", "seconds_per_epoch": "s / epoch",
+           "peak_memory_gb": "peak memory (GiB)"}  # a cell record's compute keys, as the cells table heads them
+
+
+def _compute_value(value) -> str:
+    if value is None:
+        return ""
+    return f"{value:.3g}" if isinstance(value, float) else str(value)
+
+
 def write_html(path: Path, title: str, command: str, config_yaml: str, table: pd.DataFrame,
-               figures: Sequence[Path], runs: Sequence[tuple[str, str]], parent: str | None = None) -> Path:
-    """``report.html``: self-contained (every figure inlined), readable without a server."""
+               figures: Sequence[Path], runs: Sequence[tuple[str, str, dict]], parent: str | None = None) -> Path:
+    """``report.html``: self-contained (every figure inlined), readable without a server. ``runs``:
+    per cell, its name, MLflow run id and what it ran on (``Cell.finished``'s ``compute``): the
+    cells table shows the device (its name, and the torch device: ``cuda:0``), the cell's
+    seconds, seconds per epoch (DPFormer) and peak memory (of the GPU; on the CPU, the process's
+    peak resident set)."""
     esc = html.escape
     parts = [
         "<!doctype html><html><head><meta charset='utf-8'>",
@@ -112,8 +126,14 @@ def write_html(path: Path, title: str, command: str, config_yaml: str, table: pd
         data = base64.b64encode(Path(fig).read_bytes()).decode("ascii")
         parts.append(f"<figure><img alt='{esc(Path(fig).stem)}' src='data:image/png;base64,{data}'>"
                      f"<figcaption>{esc(Path(fig).name)}</figcaption></figure>")
-    parts.append("<h2>Cells</h2><table class='runs'><tr><th>cell</th><th>MLflow run id</th></tr>")
-    parts += [f"<tr><td>{esc(name)}</td><td><code>{esc(run_id)}</code></td></tr>" for name, run_id in runs]
+    shown = [k for k in COMPUTE if any(compute.get(k) is not None for _, _, compute in runs)]
+    parts.append("<h2>Cells</h2><table class='runs'><tr><th>cell</th><th>MLflow run id</th>"
+                 + "".join(f"<th>{esc(COMPUTE[k])}</th>" for k in shown) + "</tr>")
+    for name, run_id, compute in runs:
+        where = {**compute, "device_name": f"{compute.get('device_name', '')} ({compute['device']})"
+                 if compute.get("device") else compute.get("device_name")}
+        parts.append(f"<tr><td>{esc(name)}</td><td><code>{esc(run_id)}</code></td>"
+                     + "".join(f"<td>{esc(_compute_value(where.get(k)))}</td>" for k in shown) + "</tr>")
     parts += ["</table>", f"<h2>Config</h2><pre>{esc(config_yaml)}</pre>", "</body></html>"]
     path = Path(path)
     path.write_text("\n".join(parts), encoding="utf-8")

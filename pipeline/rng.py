@@ -14,6 +14,10 @@ generator (up to 2^32 trials).
 
 The math stays batched over trials: only the draws loop over the trials of a chunk, each
 filling its own rows of one preallocated tensor (a few microseconds per trial).
+
+Draws are made on the CPU whatever ``compute.device`` is, and then moved (``device``): a trial's
+numbers are the same draws on every device, so a CUDA run differs from the CPU run of the same
+cell only by floating-point rounding in the algebra, never by its randomness.
 """
 
 from __future__ import annotations
@@ -70,22 +74,26 @@ def randn(shape, gen: torch.Generator, dtype: torch.dtype) -> torch.Tensor:
     return torch.empty(shape, dtype=torch.float32).normal_(generator=gen).to(dtype)
 
 
-def normal(gens: Sequence[torch.Generator], shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """(len(gens), *shape) standard normals, row t drawn (in float32) from ``gens[t]``."""
-    out = torch.empty(len(gens), *shape, dtype=torch.float32)
+def normal(gens: Sequence[torch.Generator], shape: tuple[int, ...], dtype: torch.dtype,
+           device: torch.device | str | None = None) -> torch.Tensor:
+    """(len(gens), *shape) standard normals, row t drawn (in float32, on the CPU) from ``gens[t]``,
+    returned in ``dtype`` on ``device`` (default: the CPU)."""
+    out = torch.empty(len(gens), *shape, dtype=torch.float32, device="cpu")
     for row, gen in zip(out, gens):
         row.normal_(generator=gen)
-    return out.to(dtype)
+    return out.to(device=device, dtype=dtype)
 
 
-def uniform(gens: Sequence[torch.Generator], shape: tuple[int, ...]) -> torch.Tensor:
-    """(len(gens), *shape) float32 uniforms on [0, 1), row t drawn from ``gens[t]``."""
-    out = torch.empty(len(gens), *shape, dtype=torch.float32)
+def uniform(gens: Sequence[torch.Generator], shape: tuple[int, ...],
+            device: torch.device | str | None = None) -> torch.Tensor:
+    """(len(gens), *shape) float32 uniforms on [0, 1), row t drawn (on the CPU) from ``gens[t]``."""
+    out = torch.empty(len(gens), *shape, dtype=torch.float32, device="cpu")
     for row, gen in zip(out, gens):
         row.uniform_(generator=gen)
-    return out
+    return out.to(device=device)
 
 
-def trial_normal(seed: int, stream: str, trials: slice, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+def trial_normal(seed: int, stream: str, trials: slice, shape: tuple[int, ...], dtype: torch.dtype,
+                 device: torch.device | str | None = None) -> torch.Tensor:
     """``normal`` for the trials of a chunk, each from its own generator in ``stream``."""
-    return normal(generators(seed, stream, trials), shape, dtype)
+    return normal(generators(seed, stream, trials), shape, dtype, device)

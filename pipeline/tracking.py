@@ -245,12 +245,15 @@ class Cell:
             tags |= {SWEEP_TAG: self.sweep.id, SWEEP_DIR_TAG: self.sweep.dir}
         return tags
 
-    def finished(self, run_id: str) -> None:
-        """Record that this folder now holds a FINISHED cell (what a sweep's summary collects)."""
+    def finished(self, run_id: str, compute: Mapping[str, object] | None = None) -> None:
+        """Record that this folder now holds a FINISHED cell (what a sweep's summary collects), with
+        what it ran on and how long it took (``compute``: device, device_name, seconds, ...; the
+        sweep report's cells table)."""
         sweep = self.sweep
         write_record(self.out, {"run_id": run_id, "config_hash": self.digest, "status": "FINISHED",
                                 "sweep": sweep.id if sweep else None,
-                                "overrides": list(sweep.overrides) if sweep else None})
+                                "overrides": list(sweep.overrides) if sweep else None,
+                                "compute": dict(compute or {})})
 
 
 def begin_cell(cfg: DictConfig, out: Path) -> Cell | None:

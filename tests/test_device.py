@@ -38,9 +38,9 @@ def test_auto_is_cuda_only_where_torch_sees_one_and_the_task_runs_there(monkeypa
     assert device.resolve("cuda:1") == torch.device("cuda", 1)
     with pytest.raises(ConfigError, match=r"this machine has 2 CUDA device\(s\), cuda:0 to cuda:1"):
         device.resolve("cuda:2")
-    assert device.resolve("auto", ("cpu",)) == torch.device("cpu")  # a CPU-only task stays on the CPU
-    with pytest.raises(ConfigError, match=r"task=noisyhead runs on cpu only"):
-        device.resolve("cuda", ("cpu",), "task=noisyhead")
+    assert device.resolve("auto", ("cpu",)) == torch.device("cpu")  # a CPU-only step stays on the CPU
+    with pytest.raises(ConfigError, match=r"the seqrec audit runs on cpu only"):
+        device.resolve("cuda", ("cpu",), "the seqrec audit")
     assert device.resolve("cpu") == torch.device("cpu")
 
 
@@ -65,15 +65,38 @@ def test_a_device_the_machine_lacks_is_one_error_line_before_anything(args, need
     assert not (tmp_path / "mlflow.db").exists()
 
 
-def test_noisyhead_refuses_a_gpu_it_would_not_use(tmp_path, monkeypatch):
-    """NoisyHead runs on the CPU in this release: an explicit cuda is refused, not ignored."""
+def test_noisyhead_runs_where_cuda_is_and_must_fit_the_gpus_free_memory(cfg_for, monkeypatch):
+    """NoisyHead honours compute.device: on a machine with CUDA, ``auto`` and ``cuda`` choose it, and a
+    cell whose prompts do not fit the GPU's free memory is refused naming the key to lower."""
+    from pipeline import preflight
+    from pipeline.noisyhead import config
     from pipeline.noisyhead.task import TASK
 
-    assert TASK.devices == ("cpu",)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
-    with pytest.raises(ConfigError, match=r"^compute.device = 'cuda': task=noisyhead runs on cpu only"):
-        device.resolve("cuda", TASK.devices, "task=noisyhead")
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    assert device.resolve("auto", TASK.devices) == torch.device("cuda", 0)
+    cfg = cfg_for("compute.device=cuda", "regime.N=2000", "trials=500")
+    need = TASK.memory(cfg, config.validate(cfg))
+    assert need.device == "cuda:0" and need.key == "regime.N"
+    monkeypatch.setattr(device, "free_memory", lambda dev: need.total + 1)
+    preflight.memory(cfg, need)  # fits
+    monkeypatch.setattr(device, "free_memory", lambda dev: need.total // 2)
+    with pytest.raises(ConfigError, match=r"^regime.N = 2000: .* are free on cuda:0; lower regime.N or trials"):
+        preflight.memory(cfg, need)
+
+
+def test_noisyhead_draws_on_the_cpu_whatever_the_device(cfg_for):
+    """Every random draw comes from the per-trial CPU generators and is then moved: the numbers a
+    trial draws are the same on any device. Here: the draws asked for on 'cpu' are those of the
+    default, and a chunk's draws are its trials' own (drawing trials 3..5 alone gives rows 3..5)."""
+    from pipeline import rng
+
+    a = rng.trial_normal(0, "noise:noisyhead", slice(0, 6), (4, 3, 3), torch.float64)
+    b = rng.trial_normal(0, "noise:noisyhead", slice(3, 6), (4, 3, 3), torch.float64, "cpu")
+    assert torch.equal(a[3:], b)
+    u = rng.uniform(rng.generators(0, "dpsgd:T=5", slice(0, 4)), (5, 7), torch.device("cpu"))
+    assert u.device.type == "cpu" and u.dtype == torch.float32 and 0 <= float(u.min()) and float(u.max()) < 1
 
 
 @pytest.mark.parametrize("preset", [(), ("experiment=dpformer_ci",)], ids=["noisyhead", "seqrec"])
@@ -149,3 +172,44 @@ def test_a_cuda_cell_runs_end_to_end_and_logs_its_device(tmp_path):
     runs = mlflow.search_runs(search_all_experiments=True)
     assert runs["params.compute.device"].iloc[0].startswith("cuda")
     assert float(runs["metrics.compute.peak_memory_gb"].iloc[0]) > 0
+
+
+NOISYHEAD_SMALL = ("regime.N=300", "regime.T=[5,50]", "trials=20", "dataset.n_test=50",
+                   "method=[ridge,gd,noisyhead,dp_ridge,dpsgd,ssp]")
+
+
+def _noisyhead_gammas(cfg, dev):
+    from pipeline.noisyhead import config, data
+    from pipeline.noisyhead.methods import ESTIMATORS
+
+    const = config.validate(cfg)
+    device.configure(cfg, dev)
+    problem = data.make_problem(cfg, const, dev)
+    return {name: ESTIMATORS[spec.estimator].fit(problem, const, cfg, spec).gamma for name, spec in cfg.method.items()}
+
+
+@pytest.mark.cuda
+def test_noisyhead_on_cuda_agrees_with_the_cpu_and_with_itself(cfg_for):
+    """The same cell on CUDA: every estimate on the GPU, bit-identical run to run, and equal to the CPU's
+    up to float64 rounding (the draws are the same: ``pipeline.rng`` draws on the CPU)."""
+    cfg = cfg_for(*NOISYHEAD_SMALL)
+    cpu = _noisyhead_gammas(cfg, torch.device("cpu"))
+    gpu = _noisyhead_gammas(cfg, torch.device("cuda"))
+    again = _noisyhead_gammas(cfg, torch.device("cuda"))
+    for name in cpu:
+        assert gpu[name].is_cuda, name
+        assert torch.equal(gpu[name], again[name]), name
+        torch.testing.assert_close(gpu[name].cpu(), cpu[name], rtol=1e-7, atol=1e-9, msg=name)
+
+
+@pytest.mark.cuda
+def test_a_noisyhead_cuda_cell_runs_end_to_end_and_logs_its_device(tmp_path):
+    proc = run("compute.device=cuda", "attack=perturb", *NOISYHEAD_SMALL[:4], tmp_path=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    import mlflow
+
+    mlflow.set_tracking_uri(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    runs = mlflow.search_runs(search_all_experiments=True)
+    assert runs["params.compute.device"].iloc[0].startswith("cuda")
+    assert float(runs["metrics.compute.peak_memory_gb"].iloc[0]) > 0
+    assert float(runs["metrics.train.noisyhead.seconds_per_step"].iloc[0]) > 0

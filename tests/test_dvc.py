@@ -34,7 +34,7 @@ def test_dvc_repro_builds_every_artifact_and_then_does_nothing(tmp_path):
             (repo / name).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(ROOT / name, repo / name)
     (repo / "params.yaml").write_text(
-        f"trials: 2\nnewsgroups_trials: 2\narchive: {ARCHIVE}\n"
+        f"trials: 2\nnewsgroups_trials: 2\narchive: {ARCHIVE}\ndevice: cpu\n"
         "extra: dataset.n_test=8 compute.chunk_trials=2 mlflow.tracking_uri=sqlite:///mlflow.db\n"
         f"amazon: {AMAZON}\ndpformer_synthetic_data: synthetic_longtail_tiny\ndpformer_amazon_data: amazon_games_tiny\n"
         "dpformer_jobs: 2\ndpformer_device: cpu\ndpformer_extra: seed=0 seqrec.epochs=1 model.d=8 model.d_ff=16 "

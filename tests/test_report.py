@@ -68,11 +68,17 @@ def test_report_html_is_self_contained(tmp_path):
     png.write_bytes(data)
     table = pd.DataFrame({"N": ["20"], "NoisyHead": ["3 (0.25)"]})
     page = report.write_html(tmp_path / "report.html", "fig1 <sweep>", "python -m pipeline -m x=1,2", "a: 1\n",
-                             table, [png], [("regime.N=20", "abc123")])
+                             table, [png], [("regime.N=20", "abc123", {"device": "cuda:0", "device_name": "NVIDIA H100",
+                                                                       "seconds": 12.345, "peak_memory_gb": 1.5}),
+                                            ("regime.N=30", "def456", {})])
     html = page.read_text()
     assert base64.b64encode(data).decode() in html and "fig1 &lt;sweep&gt;" in html
     assert "abc123" in html and "3 (0.25)" in html and "python -m pipeline -m x=1,2" in html
     assert not re.search(r"(src|href)=['\"](?!data:)", html)  # nothing loaded from elsewhere
+    # the cells table says where each cell ran and what it cost; a cell without a record leaves blanks
+    assert "<th>device</th><th>seconds</th><th>peak memory (GiB)</th>" in html and "s / epoch" not in html
+    assert "<td>NVIDIA H100 (cuda:0)</td><td>12.3</td><td>1.5</td>" in html
+    assert "<td><code>def456</code></td><td></td><td></td><td></td>" in html
 
 
 def test_collect_returns_cells_in_grid_order_not_folder_order(tmp_path):

@@ -102,6 +102,23 @@ def test_unknown_model_or_clipping_option_is_refused_by_hydra(cfg_for):
             cfg_for(*TINY, override)
 
 
+@pytest.mark.parametrize("preset", ["dpformer_amazon", "dpformer_movielens"])
+def test_paper_scale_presets_sweep_the_papers_protocol(cfg_for, preset):
+    """The paper's scale: 100 epochs, its 5 x 5 grid of learning rate and batch size, 3 seeds,
+    eps in {3, 5, 8, 10}, the vanilla Transformer against DPFormer, each selected on validation."""
+    cfg = cfg_for(f"experiment={preset}", hydra=True)
+    grid = {k: str(v).split(",") for k, v in cfg.hydra.sweeper.params.items()}
+    assert grid["seqrec.lr"] == ["0.001", "0.003", "0.005", "0.007", "0.009"]
+    assert grid["seqrec.batch_size"] == ["256", "512", "1024", "2048", "4096"]
+    assert grid["seed"] == ["0", "1", "2"] and grid["privacy.eps"] == ["3", "5", "8", "10"]
+    assert grid["model"] == ["transformer", "dpformer"]
+    assert cfg.seqrec.epochs == 100 and cfg.seqrec.warmup == 0.2 and cfg.dataset.max_items is None
+    # README's SLURM line: one GPU per array task
+    slurm = cfg_for(f"experiment={preset}", "compute.device=cuda", "hydra/launcher=submitit_slurm",
+                    "hydra.launcher.gres=gpu:1", "hydra.launcher.array_parallelism=50", hydra=True)
+    assert slurm.hydra.launcher.gres == "gpu:1" and slurm.hydra.launcher.array_parallelism == 50
+
+
 def test_presets_validate(cfg_for):
     for preset in ("dpformer_ci", "dpformer_synthetic", "dpformer_amazon"):
         cfg = cfg_for(f"experiment={preset}")

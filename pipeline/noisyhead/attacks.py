@@ -21,7 +21,7 @@ def alpha(spec, N: int) -> float:
 
 
 def _replace(feats: Features, index: torch.Tensor, new: Features) -> Features:
-    rows = torch.arange(index.shape[0]).unsqueeze(1)
+    rows = torch.arange(index.shape[0], device=index.device).unsqueeze(1)
     out = Features(feats.q.clone(), feats.v.clone(), feats.y.clone())
     out.q[rows, index], out.v[rows, index], out.y[rows, index] = new.q, new.v, new.y
     return out

@@ -10,7 +10,7 @@ import mlflow
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from pipeline import tracking
+from pipeline import device, tracking
 from pipeline.noisyhead import attacks, config, data, evaluate, plot, train
 from pipeline.sweep import progress, short_key, swept_values
 
@@ -81,6 +81,10 @@ def run(cfg: DictConfig, const: config.Constants) -> Path:
     (``pipeline.preflight``); return the path of its ``results.csv``."""
     if cfg.compute.threads:
         torch.set_num_threads(int(cfg.compute.threads))
+    from pipeline.noisyhead.task import TASK
+
+    dev = device.of(cfg, TASK.devices)  # checked by pipeline.preflight: one the machine has
+    device.configure(cfg, dev)
     out = tracking.output_dir()
     job = tracking.begin_cell(cfg, out)
     if job is None:  # a resumed sweep: this folder holds the same cell, finished
@@ -96,15 +100,20 @@ def run(cfg: DictConfig, const: config.Constants) -> Path:
     with tracking.run(name, tags) as active:
         start = time.perf_counter()
         mlflow.log_params(params)
-        tracking.log_params("compute", {"device": "cpu", "device_name": "cpu"})  # NoisyHead's devices (task.py)
+        tracking.log_params("compute", {"device": str(dev), "device_name": device.name(dev), "tf32": cfg.compute.tf32})
         mlflow.log_text(OmegaConf.to_yaml(cfg, resolve=True), "config.yaml")
-        problem = data.run(cfg, const)
+        device.reset_peak(dev)
+        problem = data.run(cfg, const, dev)
         fits = train.run(problem, const, cfg)
         attacked = None
         if cfg.attack.name != "none":
             bad = attacks.ATTACKS[cfg.attack.name](problem, const, cfg.attack)
             attacked = train.run_attacked(bad, const, cfg)
         results = evaluate.run(problem, fits, const, cfg, attacked)
+        device.synchronize(dev)
+        peak = device.peak_memory_gb(dev)
+        if peak is not None:
+            tracking.log_metrics("compute", {"peak_memory_gb": peak})
         out.mkdir(parents=True, exist_ok=True)
         csv = out / "results.csv"
         results.to_csv(csv, index=False)
@@ -116,8 +125,10 @@ def run(cfg: DictConfig, const: config.Constants) -> Path:
         mlflow.log_artifact(str(csv))
         for fig in figs:
             mlflow.log_artifact(str(fig))
-        tracking.log_metrics("cell", {"seconds": time.perf_counter() - start})
-    job.finished(active.info.run_id)
+        seconds = time.perf_counter() - start
+        tracking.log_metrics("cell", {"seconds": seconds})
+    job.finished(active.info.run_id, {"device": str(dev), "device_name": device.name(dev), "seconds": seconds,
+                                      "peak_memory_gb": peak})
     log.info("%s\n%s", name, summary(results))
     log.info("wrote %s%s", csv, "".join(f", {f}" for f in figs))
     line = progress(sweep)

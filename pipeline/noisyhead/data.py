@@ -57,6 +57,17 @@ class Problem:
     def trials(self) -> int:
         return self.train.q.shape[0]
 
+    def to(self, device) -> "Problem":
+        """The problem on ``device``: its features and kept tokens moved there (on the device they are
+        on already, the problem itself). Everything is drawn on the CPU (``pipeline.rng``), so every
+        device holds the same numbers."""
+        if self.train.q.device == torch.device(device):
+            return self
+        kept = None if self.kept is None else Tokens(*(t.to(device) for t in (self.kept.index, self.kept.x, self.kept.y)))
+        return Problem(train=self.train.to(device), private=self.private.to(device), test=self.test.to(device),
+                       clip_fraction=self.clip_fraction, projected_fraction=self.projected_fraction,
+                       fingerprint=self.fingerprint, kept=kept)
+
 
 def _sphere_prompts(n_prompts: int, L: int, D: int, tau: float, gens, C: float | None, raw: Features,
                     clipped: Features | None = None, keep: Tensor | None = None, scratch: Tensor | None = None):
@@ -296,8 +307,8 @@ def attack_prompts(cfg: DictConfig) -> int:
     return int(cfg.attack.prompts) if cfg.attack.name != "none" else 0
 
 
-def make_problem(cfg: DictConfig, const: Constants) -> Problem:
-    """Build (or reuse) the cell's problem."""
+def make_problem(cfg: DictConfig, const: Constants, device: torch.device | str = "cpu") -> Problem:
+    """Build (or reuse) the cell's problem, drawn on the CPU and placed on ``device``."""
     global _last
     dtype = getattr(torch, cfg.compute.dtype)
     key = json.dumps(
@@ -308,6 +319,7 @@ def make_problem(cfg: DictConfig, const: Constants) -> Problem:
             "seed": cfg.seed,
             "dtype": cfg.compute.dtype,
             "keep": attack_prompts(cfg),
+            "device": str(device),
         },
         sort_keys=True,
     )
@@ -318,16 +330,16 @@ def make_problem(cfg: DictConfig, const: Constants) -> Problem:
     problem = DATASETS[cfg.dataset.name](
         const, trials=cfg.trials, n_test=cfg.dataset.n_test, seed=cfg.seed,
         chunk=cfg.compute.chunk_trials, dtype=dtype, keep=attack_prompts(cfg), dataset=cfg.dataset,
-    )
+    ).to(device)  # the one place NoisyHead's tensors move to a GPU
     _last = (key, problem)
     return problem
 
 
-def run(cfg: DictConfig, const: Constants) -> Problem:
-    """The data step: build the problem and log what was generated."""
+def run(cfg: DictConfig, const: Constants, device: torch.device | str = "cpu") -> Problem:
+    """The data step: build the problem on ``device`` and log what was generated."""
     from pipeline import tracking
 
-    problem = make_problem(cfg, const)
+    problem = make_problem(cfg, const, device)
     B, N, D = problem.train.shape
     tracking.log_params("data", {
         "dataset": cfg.dataset.name, "seed": cfg.seed, "trials": B, "n_test": problem.test.shape[1],

@@ -41,6 +41,10 @@ class Features:
             self._slices[key] = Features(self.q[trials], self.v[trials], self.y[trials])
         return self._slices[key]
 
+    def to(self, device) -> "Features":
+        """The same features on ``device`` (these very tensors where they are there already)."""
+        return Features(self.q.to(device), self.v.to(device), self.y.to(device))
+
     def reshape(self, *shape: int) -> "Features":
         """The same prompts with leading dimensions ``shape`` (e.g. trials x prompts)."""
         D = self.q.shape[-1]

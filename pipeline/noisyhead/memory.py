@@ -46,9 +46,10 @@ def needed(cfg: DictConfig, const: Constants) -> dict[str, int]:
     return {"prompts": prompts, "chunk": max(work), "fits": fits}
 
 
-def estimate(cfg: DictConfig, const: Constants) -> Memory:
-    """``needed`` with the key to lower when it does not fit: the chunk when its temporary dominates,
-    else the larger of N and the trial count."""
+def estimate(cfg: DictConfig, const: Constants, device: str = "cpu") -> Memory:
+    """``needed`` on ``device`` (where the prompts, the chunks' temporaries and the estimates live) with
+    the key to lower when it does not fit: the chunk when its temporary dominates, else the larger of
+    N and the trial count."""
     need = needed(cfg, const)
     if need["chunk"] > need["prompts"] + need["fits"]:
         key, value, advice = "compute.chunk_trials", cfg.compute.chunk_trials, "lower compute.chunk_trials"
@@ -57,4 +58,4 @@ def estimate(cfg: DictConfig, const: Constants) -> Memory:
     else:
         key, value, advice = "trials", cfg.trials, f"lower trials or regime.N (= {const.N})"
     parts = {"prompts": need["prompts"], "largest chunk temporary": need["chunk"], "estimates": need["fits"]}
-    return Memory(parts, key, value, advice)
+    return Memory(parts, key, value, advice, device)

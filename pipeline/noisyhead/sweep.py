@@ -51,7 +51,7 @@ def summarise(config: DictConfig, sweep_id: str, sweep_dir: Path, cells: sweep.C
     table = reporting.summary_table(plot.shown(results, config.plot), y, labels)
     config_yaml = OmegaConf.to_yaml({k: v for k, v in config.items() if k != "hydra"}, resolve=True)
     name = config.get("experiment_name") or f"sweep {config.regime.name}"
-    runs = [(" ".join(o), r["run_id"]) for o, r in zip(overrides, cells.done)]
+    runs = [(" ".join(o), r["run_id"], r.get("compute") or {}) for o, r in zip(overrides, cells.done)]
     page = reporting.write_html(sweep_dir / "report.html", f"{name}: {len(cells.done)} cells, B = {config.trials}",
                                 sweep.command(), config_yaml, table, figs, runs)
     artifacts.append(str(page))

@@ -10,8 +10,8 @@ from omegaconf import DictConfig
 
 class NoisyHead:
     name = "noisyhead"
-    devices = ("cpu",)  # its batched trials are not placed on a GPU yet (compute.device=auto: the CPU)
-    audit_devices = ("cpu",)
+    devices = ("cpu", "cuda")  # the batched trials: drawn on the CPU, placed on the device (data.make_problem)
+    audit_devices = ("cpu",)  # the audit's few trials run on the CPU
 
     def validate(self, cfg: DictConfig):
         from pipeline.noisyhead import config
@@ -19,9 +19,10 @@ class NoisyHead:
         return config.validate(cfg)
 
     def memory(self, cfg: DictConfig, checked):
+        from pipeline import device
         from pipeline.noisyhead import memory
 
-        return memory.estimate(cfg, checked)
+        return memory.estimate(cfg, checked, str(device.of(cfg, self.devices)))
 
     def run_cell(self, cfg: DictConfig, checked) -> Path:
         from pipeline.noisyhead import cell

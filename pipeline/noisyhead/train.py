@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import time
 
-from pipeline import tracking
+from pipeline import device, tracking
 from pipeline.noisyhead.methods import ESTIMATORS
 from pipeline.noisyhead.methods.base import Fit
 
@@ -37,14 +37,19 @@ def _fit(problem, const, cfg, name, spec, stream: str) -> tuple[Fit, bool]:
 def run(problem, const, cfg) -> dict[str, Fit]:
     tracking.log_params("train", const.as_params() | {"oracle": cfg.oracle, "eps": cfg.privacy.eps, "delta": cfg.privacy.delta})
     fits = {}
+    dev = problem.train.q.device
     for name, spec in cfg.method.items():
         start = time.perf_counter()
         fit, reused = _fit(problem, const, cfg, name, spec, stream="")
+        device.synchronize(dev)  # a GPU's queued work is part of the fit's time
         seconds = time.perf_counter() - start
         fits[name] = fit
         if fit.params:
             tracking.log_params(f"train.{name}", fit.params)
-        tracking.log_metrics("train", {f"{name}.seconds": seconds})
+        timing = {f"{name}.seconds": seconds}
+        if ESTIMATORS[spec.estimator].ITERATIVE and not reused:  # per step of its longest horizon
+            timing[f"{name}.seconds_per_step"] = seconds / max(fit.T or const.T)
+        tracking.log_metrics("train", timing)
         if fit.trace:
             tracking.log_curve(f"train.{name}.loss", fit.trace)
         log.info("train: %s %s in %.2fs", name, "reused from an earlier cell" if reused else "fitted", seconds)
@@ -59,5 +64,6 @@ def run_attacked(bad, const, cfg) -> dict[str, dict[str, Fit]]:
         start = time.perf_counter()
         couplings = COUPLINGS if ESTIMATORS[spec.estimator].PRIVATE else {"none": ""}
         fits[name] = {c: _fit(bad, const, cfg, name, spec, stream)[0] for c, stream in couplings.items()}
+        device.synchronize(bad.train.q.device)
         tracking.log_metrics("train", {f"{name}.attacked_seconds": time.perf_counter() - start})
     return fits

@@ -120,8 +120,10 @@ def run(cfg: DictConfig) -> Path:
         fig = plot.curves(history, out / "curves.png", title=name, k=k)
         for path in (csv, curves, fig):
             mlflow.log_artifact(str(path))
-        tracking.log_metrics("cell", {"seconds": time.perf_counter() - start})
-    job.finished(active.info.run_id)
+        cell_seconds = time.perf_counter() - start
+        tracking.log_metrics("cell", {"seconds": cell_seconds})
+    job.finished(active.info.run_id, {"device": str(dev), "device_name": device.name(dev), "seconds": cell_seconds,
+                                      "seconds_per_epoch": seconds / max(ran, 1), "peak_memory_gb": peak})
     checkpoint.remove(saved)  # FINISHED: the results stay, the optimizer state goes
     shown = results[["method", "split", f"ndcg{k}", f"hit{k}"]].to_string(index=False, float_format="%.3f")
     log.info("%s (sigma = %.4g, eps spent = %.4g)\n%s", name, run_plan.sigma, run_plan.eps_spent, shown)

@@ -188,7 +188,7 @@ def summarise(config: DictConfig, sweep_id: str, sweep_dir: Path, cells: sweep.C
     artifacts += figures
     name = config.get("experiment_name") or "seqrec sweep"
     config_yaml = OmegaConf.to_yaml({key: v for key, v in config.items() if key != "hydra"}, resolve=True)
-    runs = [(" ".join(r.get("overrides") or []), r["run_id"]) for r in cells.done]
+    runs = [(" ".join(r.get("overrides") or []), r["run_id"], r.get("compute") or {}) for r in cells.done]
     page = reporting.write_html(sweep_dir / "report.html", f"{name}: {len(cells.done)} cells", sweep.command(),
                                 config_yaml, shown, figures, runs)
     artifacts.append(page)

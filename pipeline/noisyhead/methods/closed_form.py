@@ -41,10 +41,10 @@ def terms(x: float) -> int | None:
     return K
 
 
-def _alpha(K: int, m_max: int, c: float, dtype) -> Tensor:
-    """alpha[k, m] = binom(m, k) c^(m - k) for k <= K, m <= m_max (0 where k > m)."""
-    m = torch.arange(m_max + 1, dtype=torch.float64)
-    k = torch.arange(K + 1, dtype=torch.float64).unsqueeze(1)
+def _alpha(K: int, m_max: int, c: float, dtype, device=None) -> Tensor:
+    """alpha[k, m] = binom(m, k) c^(m - k) for k <= K, m <= m_max (0 where k > m), on ``device``."""
+    m = torch.arange(m_max + 1, dtype=torch.float64, device=device)
+    k = torch.arange(K + 1, dtype=torch.float64, device=device).unsqueeze(1)
     log_binom = torch.lgamma(m + 1) - torch.lgamma(k + 1) - torch.lgamma((m - k).clamp_min(0) + 1)
     alpha = torch.exp(log_binom + (m - k) * math.log(c))
     return torch.where(k <= m, alpha, torch.zeros_like(alpha)).to(dtype)
@@ -55,8 +55,8 @@ def evaluate(quad, gamma0: Tensor, *, lam, eta0, T, terms: int, radius=math.inf,
     c = 1 - 2 * lam * eta0
     B, D, _ = gamma0.shape
     K, J, t_max = terms, len(T), max(T)
-    alpha = _alpha(K, t_max, c, gamma0.dtype)  # (K+1, t_max+1)
-    Ts = torch.tensor(T)
+    alpha = _alpha(K, t_max, c, gamma0.dtype, gamma0.device)  # (K+1, t_max+1)
+    Ts = torch.tensor(T, device=gamma0.device)
     start = alpha[:, Ts]  # (K+1, J): coefficient of Gamma^0
     drift = eta0 * torch.cumsum(alpha, 1)[:, Ts - 1]  # (K+1, J): of b, summed over m < T
     # The deterministic part needs only the Krylov vectors (-eta H)^k Gamma^0 and (-eta H)^k b.
@@ -68,7 +68,7 @@ def evaluate(quad, gamma0: Tensor, *, lam, eta0, T, terms: int, radius=math.inf,
     if noise_std is None:
         return gamma
     # The noise part: w_k = s sum_{t<T} alpha_k(T-1-t) xi_t differs for every horizon; Horner's rule.
-    t = torch.arange(t_max)
+    t = torch.arange(t_max, device=gamma0.device)
     lag = Ts.view(J, 1) - 1 - t  # T - 1 - t, negative where t >= T
     weights = alpha[:, lag.clamp_min(0)] * (lag >= 0)  # (K+1, J, t_max)
     weights = weights * gamma0.new_tensor(noise_std).view(1, J, 1)
@@ -83,11 +83,11 @@ def certified(quad, gamma0: Tensor, *, lam, eta0, T, radius=math.inf, noise_std=
     """Per trial, whether no horizon's iterate can leave the ball of radius R: (B,) bool."""
     B = gamma0.shape[0]
     if not math.isfinite(radius):
-        return torch.ones(B, dtype=torch.bool)
+        return torch.ones(B, dtype=torch.bool, device=gamma0.device)
     c = 1 - 2 * lam * eta0
     h = eta0 * quad.norm_bound()  # (B,) >= eta ||H||_2
     if (h > 2 * c).any():
-        return torch.zeros(B, dtype=torch.bool)
+        return torch.zeros(B, dtype=torch.bool, device=gamma0.device)
     t_max = max(T)
     g0, b = gamma0.flatten(1), quad.b.flatten(1)
     stds = gamma0.new_tensor(noise_std if noise_std is not None else [0.0] * len(T))  # (J,)
@@ -101,7 +101,7 @@ def certified(quad, gamma0: Tensor, *, lam, eta0, T, radius=math.inf, noise_std=
         bn.append((b * n).sum(-1))
         nn.append(n.square().sum(-1))
     gn, bn, nn = (torch.stack(x, 1) for x in (gn, bn, nn))  # (B, t_max): at t = 1..t_max
-    ct = c ** torch.arange(1, t_max + 1, dtype=g0.dtype)
+    ct = c ** torch.arange(1, t_max + 1, dtype=g0.dtype, device=g0.device)
     geo = eta0 * (1 - ct) / (1 - c)
     gg, gb, bb = g0.square().sum(-1, keepdim=True), (g0 * b).sum(-1, keepdim=True), b.square().sum(-1, keepdim=True)
     pp = ct**2 * gg + 2 * ct * geo * gb + geo**2 * bb
@@ -113,6 +113,6 @@ def certified(quad, gamma0: Tensor, *, lam, eta0, T, radius=math.inf, noise_std=
     for t in range(t_max + 1):
         bound[:, t] = norm_c[:, t] + E
         E = c * E + h.unsqueeze(-1) * norm_c[:, t]
-    steps = torch.arange(t_max + 1).view(1, -1, 1)
-    within = (bound <= radius * (1 - 1e-9)) | (steps > torch.tensor(T).view(1, 1, -1))
+    steps = torch.arange(t_max + 1, device=g0.device).view(1, -1, 1)
+    within = (bound <= radius * (1 - 1e-9)) | (steps > torch.tensor(T, device=g0.device).view(1, 1, -1))
     return within.all(1).all(1)

@@ -86,10 +86,11 @@ def update(quad: Quadratic, gamma: Tensor, *, lam: float, eta0: float) -> tuple[
     return (1 - 2 * lam * eta0) * gamma - eta0 * grad, value + lam * gamma.square().sum((-2, -1))
 
 
-def initial_gamma(*, seed: int, stream: str, trials: slice, D: int, scale: float, R: float, dtype) -> Tensor:
+def initial_gamma(*, seed: int, stream: str, trials: slice, D: int, scale: float, R: float, dtype,
+                  device=None) -> Tensor:
     """Gamma^0 = Pi_R(scale * N(0, I)) for the trials of a chunk, each from its own generator in
-    ``stream``: data independent (the authors' code), (len(trials), D, D)."""
-    return project_frobenius(scale * rng.trial_normal(seed, stream, trials, (D, D), dtype), R)
+    ``stream``: data independent (the authors' code), (len(trials), D, D), on ``device``."""
+    return project_frobenius(scale * rng.trial_normal(seed, stream, trials, (D, D), dtype, device), R)
 
 
 def descend(

@@ -24,6 +24,7 @@ from pipeline.noisyhead.methods import ridge
 from pipeline.noisyhead.methods.base import Fit, chunks, noise_scale
 
 PRIVATE = True
+ITERATIVE = False  # a direct solve, no steps
 CALIBRATIONS = ("analytic", "classic", "paper")
 
 
@@ -59,7 +60,8 @@ def fit(problem, const, cfg, spec, stream: str = "") -> Fit:
     parts = []
     for i, sl in chunks(problem.trials, cfg.compute.chunk_trials, spec.estimator):
         gamma = ridge.solve(problem.private[sl], mu)
-        noise = rng.trial_normal(cfg.seed, f"noise:{spec.calibration}-ridge{stream}", sl, gamma.shape[1:], gamma.dtype)
+        noise = rng.trial_normal(cfg.seed, f"noise:{spec.calibration}-ridge{stream}", sl, gamma.shape[1:], gamma.dtype,
+                                 gamma.device)
         parts.append(gamma + std * noise)
     proven = privacy.ridge_sensitivity(C=const.C, G=const.G, lam=mu, N=const.N)
     params = {"calibration": spec.calibration, "penalty": mu, "sensitivity": sensitivity(spec, const, mu),

@@ -30,6 +30,7 @@ from pipeline.noisyhead.methods.base import Fit, chunks, noise_scale, steps as p
 from pipeline.noisyhead.methods.descent import initial_gamma
 
 PRIVATE = True
+ITERATIVE = True  # runs T steps: its time per step is logged
 OPACUS_EPS = 1e-6  # Opacus's clip factor is max_grad_norm / (norm + 1e-6)
 
 
@@ -61,7 +62,7 @@ def check(spec, cfg, const) -> str | None:
 
 def fit(problem, const, cfg, spec, stream: str = "") -> Fit:
     B, N, D = problem.private.shape
-    dtype = problem.private.q.dtype
+    dtype, device = problem.private.q.dtype, problem.private.q.device
     eps, delta = float(cfg.privacy.eps), float(cfg.privacy.delta)
     q = min(1.0, spec.batch_size / N)
     clip = const.G * (const.C + const.R * const.G)
@@ -72,12 +73,12 @@ def fit(problem, const, cfg, spec, stream: str = "") -> Fit:
     parts = []
     for i, sl in chunks(B, cfg.compute.chunk_trials, "dpsgd"):
         gamma0 = initial_gamma(seed=cfg.seed, stream="init" + stream, trials=sl, D=D, scale=const.init_scale,
-                               R=const.R, dtype=dtype)
+                               R=const.R, dtype=dtype, device=device)
         out = []
         for T, sigma in zip(const.T, sigmas):
             gens = rng.generators(cfg.seed, f"dpsgd:T={T}{stream}", sl)  # per trial: its batches, then its noise
-            masks = (rng.uniform(gens, (T, N)) < q).to(dtype)
-            noise = rng.normal(gens, (T, D, D), dtype)
+            masks = (rng.uniform(gens, (T, N), device) < q).to(dtype)
+            noise = rng.normal(gens, (T, D, D), dtype, device)
             out.append(descend(problem.private[sl], gamma0, lam=const.lam, eta0=const.eta0, steps=T,
                                sample_rate=q, max_grad_norm=clip, sigma=sigma, masks=masks, noise=noise))
         parts.append(torch.stack(out, 1))

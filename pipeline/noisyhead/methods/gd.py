@@ -10,19 +10,20 @@ from pipeline.noisyhead.methods.descent import Quadratic, descend, initial_gamma
 
 
 PRIVATE = False
+ITERATIVE = True  # runs T steps: its time per step is logged
 
 
 def fit(problem, const, cfg, spec=None, stream: str = "") -> Fit:
     """Deterministic given the data (and the shared start): ``stream`` is not used."""
     B, N, D = problem.train.shape
-    dtype = problem.train.q.dtype
+    dtype, device = problem.train.q.dtype, problem.train.q.device
     step = dict(lam=const.lam, eta0=const.eta0, T=const.T)
     parts, trace = [], []
     for i, sl in chunks(B, cfg.compute.chunk_trials, "gd"):
         gamma0 = initial_gamma(seed=cfg.seed, stream="init", trials=sl, D=D, scale=const.init_scale, R=const.R,
-                               dtype=dtype)
+                               dtype=dtype, device=device)
         quad = Quadratic(problem.train[sl])
         parts.append(run(quad, gamma0, **step))
         if i == 0:  # the training-loss curve of the first trial
-            trace = descend(quad.subset(torch.tensor([0])), gamma0[:1], **dict(step, T=(max(const.T),)))[1]
+            trace = descend(quad.subset(torch.tensor([0], device=device)), gamma0[:1], **dict(step, T=(max(const.T),)))[1]
     return Fit(gamma=torch.cat(parts), private=False, trace=trace)

@@ -25,6 +25,7 @@ from pipeline.noisyhead.methods.descent import Quadratic, descend, initial_gamma
 
 
 PRIVATE = True
+ITERATIVE = True  # runs T steps: its time per step is logged
 HORIZONS = ("regime", "bound")
 
 
@@ -78,7 +79,7 @@ def fit(problem, const, cfg, spec=None, stream: str = "") -> Fit:
     """``stream`` names the random streams of the start and the noise (a second, independent
     run on the same data uses another)."""
     B, N, D = problem.private.shape
-    dtype = problem.private.q.dtype
+    dtype, device = problem.private.q.dtype, problem.private.q.device
     eps, delta = float(cfg.privacy.eps), float(cfg.privacy.delta)
     accountant = accountant_of(spec, cfg)
     Ts = horizons(spec, const, cfg)
@@ -95,13 +96,13 @@ def fit(problem, const, cfg, spec=None, stream: str = "") -> Fit:
     parts, trace = [], []
     for i, sl in chunks(B, cfg.compute.chunk_trials, "noisyhead"):
         gamma0 = initial_gamma(seed=cfg.seed, stream="init" + stream, trials=sl, D=D, scale=const.init_scale,
-                               R=const.R, dtype=dtype)
-        xi = rng.trial_normal(cfg.seed, "noise:noisyhead" + stream, sl, (T_max, D, D), dtype)
+                               R=const.R, dtype=dtype, device=device)
+        xi = rng.trial_normal(cfg.seed, "noise:noisyhead" + stream, sl, (T_max, D, D), dtype, device)
         quad = Quadratic(problem.private[sl])
         parts.append(run(quad, gamma0, T=Ts, noise_std=stds, noise=xi, **step))
         if i == 0:  # the training-loss curve of the first trial, longest horizon
             longest = max(range(len(stds)), key=Ts.__getitem__)
-            trace = descend(quad.subset(torch.tensor([0])), gamma0[:1], T=(T_max,),
+            trace = descend(quad.subset(torch.tensor([0], device=device)), gamma0[:1], T=(T_max,),
                             noise_std=(stds[longest],), noise=xi[:1], **step)[1]
     params = {
         "accountant": accountant,

@@ -40,7 +40,7 @@ def solve(feats: Features, mu: float, *, method: str = "auto", tol: float = 1e-1
     accuracy with an outlying prompt (kept to show what that does to Figure 4)."""
     B, N, D = feats.shape
     if method == "normal_equations":
-        A = feats.gram() + mu * torch.eye(D * D, dtype=feats.q.dtype)
+        A = feats.gram() + mu * torch.eye(D * D, dtype=feats.q.dtype, device=feats.q.device)
         return torch.linalg.solve(A, feats.moment().reshape(B, D * D, 1)).reshape(B, D, D)
     if method == "direct" or (method == "auto" and min(_primal_cost(N, D), _dual_cost(N, D)) <= 50 * 4 * N * D * D):
         return solve_direct(feats, mu)
@@ -93,20 +93,21 @@ def solve_direct(feats: Features, mu: float) -> Tensor:
     B, N, D = feats.shape
     if _primal_cost(N, D) <= _dual_cost(N, D):
         if (feats.norms().square().max() / mu).item() < 1e6:
-            A = feats.gram() + mu * torch.eye(D * D, dtype=feats.q.dtype)
+            A = feats.gram() + mu * torch.eye(D * D, dtype=feats.q.dtype, device=feats.q.device)
             rhs = feats.moment().reshape(B, D * D, 1)
             return torch.cholesky_solve(rhs, torch.linalg.cholesky(A)).reshape(B, D, D)
-        ridge_rows = math.sqrt(mu * N) * torch.eye(D * D, dtype=feats.q.dtype).expand(B, D * D, D * D)
+        ridge_rows = math.sqrt(mu * N) * torch.eye(D * D, dtype=feats.q.dtype, device=feats.q.device).expand(B, D * D, D * D)
         A = torch.cat([feats.flat(), ridge_rows], 1)
         rhs = torch.cat([feats.y, feats.y.new_zeros(B, D * D)], 1).unsqueeze(-1)
         return torch.linalg.lstsq(A, rhs).solution.reshape(B, D, D)
     # Dual: vec(Gamma) = Z^T (Z Z^T + mu N I)^{-1} y
-    A = feats.kernel() + mu * N * torch.eye(N, dtype=feats.q.dtype)
+    A = feats.kernel() + mu * N * torch.eye(N, dtype=feats.q.dtype, device=feats.q.device)
     alpha = torch.cholesky_solve(feats.y.unsqueeze(-1), torch.linalg.cholesky(A)).squeeze(-1)
     return feats.combine(alpha.unsqueeze(1)).squeeze(1)
 
 
 PRIVATE = False
+ITERATIVE = False  # a direct solve, no steps
 
 
 def check(spec, cfg, const) -> str | None:

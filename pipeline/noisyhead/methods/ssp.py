@@ -42,6 +42,7 @@ from pipeline.noisyhead.methods.base import Fit, chunks, noise_scale
 from pipeline.noisyhead.methods.descent import Quadratic
 
 PRIVATE = True
+ITERATIVE = False  # a direct solve, no steps
 
 
 def noise_std(spec, const, *, eps: float, delta: float) -> float:
@@ -80,8 +81,8 @@ def fit(problem, const, cfg, spec, stream: str = "") -> Fit:
     for i, sl in chunks(B, cfg.compute.chunk_trials, spec.estimator):
         quad = Quadratic(problem.private[sl], gram=direct)
         gens = rng.generators(cfg.seed, "noise:ssp" + stream, sl)  # per trial: W, then w
-        W = rng.normal(gens, (d, d), quad.b.dtype)
-        w = rng.normal(gens, (D, D), quad.b.dtype)
+        W = rng.normal(gens, (d, d), quad.b.dtype, quad.b.device)
+        w = rng.normal(gens, (D, D), quad.b.dtype, quad.b.device)
         noise = (W + W.mT) * (std / (2 * N))  # sym(s W) / N: the system below is divided by N
         rhs = quad.b + (std / N) * w  # the released sum_k y z, over N
         if i == 0:
@@ -106,7 +107,7 @@ def _solve(quad: Quadratic, noise: Tensor, rhs: Tensor, mu: float, direct: bool)
     b, D, _ = rhs.shape
     d = D * D
     if direct:
-        chol, info = torch.linalg.cholesky_ex(quad.H + noise + mu * torch.eye(d, dtype=rhs.dtype))
+        chol, info = torch.linalg.cholesky_ex(quad.H + noise + mu * torch.eye(d, dtype=rhs.dtype, device=rhs.device))
         return torch.cholesky_solve(rhs.reshape(b, d, 1), chol).reshape(b, D, D), info == 0
 
     def apply(p: Tensor) -> Tensor:
