@@ -81,9 +81,7 @@ def run(cfg: DictConfig, const: config.Constants) -> Path:
     (``pipeline.preflight``); return the path of its ``results.csv``."""
     if cfg.compute.threads:
         torch.set_num_threads(int(cfg.compute.threads))
-    from pipeline.noisyhead.task import TASK
-
-    dev = device.of(cfg, TASK.devices)  # checked by pipeline.preflight: one the machine has
+    dev = device.of(cfg)  # checked by pipeline.preflight: one the machine has
     device.configure(cfg, dev)
     out = tracking.output_dir()
     job = tracking.begin_cell(cfg, out)
