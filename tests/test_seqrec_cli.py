@@ -67,6 +67,25 @@ def test_bad_input_one_error_line_exit_2_no_run(run_cli):
     assert runs(run_cli.store)[1] == []
 
 
+@pytest.mark.parametrize("override", ["clipping.C=inf", "seqrec.lr=inf", "seqrec.weight_decay=inf", "model.init_std=inf"])
+def test_infinite_settings_are_refused_before_anything(run_cli, override):
+    proc = run_cli(*TINY, override, expect_ok=False)
+    errors = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert proc.returncode == 2 and len(errors) == 1, proc.stderr[-2000:]
+    assert errors[0].startswith(f"error: {override.split('=')[0]} must be a finite number")
+    assert runs(run_cli.store)[1] == [] and not (run_cli.tmp / "run").exists()
+
+
+def test_training_that_diverges_ends_failed_with_no_results(run_cli):
+    """seqrec.lr = 1e10 is a legal number whose training goes to NaN: the run ends FAILED (not FINISHED
+    with NaN metrics), exits non-zero, and writes no results.csv."""
+    proc = run_cli(*TINY, "seqrec.lr=1e10", expect_ok=False)
+    assert proc.returncode != 0 and "training diverged in epoch 1" in proc.stderr, proc.stderr[-2000:]
+    found = runs(run_cli.store)[1]
+    assert [r.info.status for r in found] == ["FAILED"]
+    assert not (run_cli.tmp / "run" / "results.csv").exists()
+
+
 def test_missing_data_file_refused(run_cli):
     proc = run_cli("experiment=dpformer_movielens", "dataset.path=/nonexistent/ratings.dat", expect_ok=False)
     assert proc.returncode == 2 and proc.stderr.count("error:") == 1 and "dataset.path" in proc.stderr
@@ -111,7 +130,7 @@ def test_paper_scale_presets_sweep_the_papers_protocol(cfg_for, preset):
     assert grid["seqrec.lr"] == ["0.001", "0.003", "0.005", "0.007", "0.009"]
     assert grid["seqrec.batch_size"] == ["256", "512", "1024", "2048", "4096"]
     assert grid["seed"] == ["0", "1", "2"] and grid["privacy.eps"] == ["3", "5", "8", "10"]
-    assert grid["model"] == ["transformer", "dpformer"]
+    assert grid["model"] == ["transformer", "dpformer_public", "dpformer"]
     assert cfg.seqrec.epochs == 100 and cfg.seqrec.warmup == 0.2 and cfg.dataset.max_items is None
     # README's SLURM line: one GPU per array task
     slurm = cfg_for(f"experiment={preset}", "compute.device=cuda", "hydra/launcher=submitit_slurm",

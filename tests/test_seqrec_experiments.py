@@ -110,14 +110,54 @@ def test_grid_selects_on_validation_and_reports_the_best_on_test_apart():
         sweep.selected_overrides(picks.reset_index(), "gru")
 
 
-def test_markdown_table_has_one_row_per_model_and_dpformers_gain():
+def test_markdown_table_has_one_row_per_model():
     results = cells()
     results = results[results["lr"] == 0.01]
     frame, text = sweep.markdown(sweep.table(results, 10), 10)
-    assert list(frame["model"]) == ["transformer", "dpformer", "most popular", "DPFormer vs vanilla, NDCG@10"]
+    assert list(frame["model"]) == ["transformer", "dpformer", "most popular"]
     assert frame.loc[0, "eps=8"] == "3.00 (0.71) / 6.00 (1.41)"
-    assert frame.loc[3, "eps=8"] == "+100.0%"  # 6.0 against 3.0
     assert "| most popular | 1.50 (0.71) / 2.50 (0.71) |" in text
+
+
+def _paired(gain_by_eps):
+    """Test rows of the vanilla Transformer (NDCG 2, 3, 4, 5 over four seeds) and of DPFormer at
+    NDCG x (1 + g_s) for the per-seed gains given per eps; a second, worse learning rate of DPFormer
+    that the table does not show."""
+    rows = []
+    for eps, g in gain_by_eps.items():
+        for seed, (t, gs) in enumerate(zip((2.0, 3.0, 4.0, 5.0), g)):
+            common = dict(clipping="phantom", eps=eps, batch_size=256, seed=seed, split="test", hit10=0.0)
+            rows += [dict(method="transformer", lr=0.01, ndcg10=t, **common),
+                     dict(method="dpformer", lr=0.01, ndcg10=t * (1 + gs), **common),
+                     dict(method="dpformer", lr=0.03, ndcg10=0.1, **common)]
+    return pd.DataFrame(rows)
+
+
+def test_gains_are_paired_over_seeds_with_a_t_interval_and_a_verdict():
+    from scipy import stats
+
+    g = {5.0: [0.10, 0.12, 0.08, 0.10], 8.0: [-0.02, 0.01, 0.0, -0.01], 10.0: [-0.5, 0.6, 0.1, 0.3]}
+    results = _paired(g)
+    long = sweep.table(results[results["lr"] == 0.01], 10)  # the settings the table shows
+    out = sweep.gains(results, long, 10, paper=0.2).set_index("eps")
+    for eps, gs in g.items():
+        gs = pd.Series(gs)
+        half = stats.t.ppf(0.975, 3) * gs.std(ddof=1) / 2
+        assert out.loc[eps, "seeds"] == 4
+        assert out.loc[eps, "gain_mean"] == pytest.approx(gs.mean())
+        assert out.loc[eps, "ci_low"] == pytest.approx(gs.mean() - half)
+        assert out.loc[eps, "ci_high"] == pytest.approx(gs.mean() + half)
+    # above 0: reproduced; below the paper's +20% and not above 0: contradicted; else inconclusive
+    assert list(out["verdict"]) == ["reproduced", "contradicted", "inconclusive"]
+    text = sweep.gains_markdown(out.reset_index(), 10)
+    assert "| dpformer | 5 | 4 | +10.0% | [+7.4%, +12.6%] | reproduced |" in text
+
+
+def test_a_single_seed_gives_no_interval_and_no_verdict():
+    results = _paired({8.0: [0.5]})
+    out = sweep.gains(results, sweep.table(results[results["lr"] == 0.01], 10), 10, paper=0.2)
+    assert out["seeds"].tolist() == [1] and out["verdict"].tolist() == ["inconclusive"]
+    assert math.isnan(out["ci_low"].iloc[0])
 
 
 def test_history_frame_has_validation_metrics_at_the_evaluated_epochs_only():

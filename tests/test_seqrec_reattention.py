@@ -238,6 +238,75 @@ def test_zero_noise_is_the_vanilla_transformer_exactly():
     torch.testing.assert_close(dpformer(IDS), vanilla.eval()(IDS), rtol=1e-12, atol=1e-12)
 
 
+def _with(model, **kw):
+    """The same model (weights, errors) built with other ablation settings."""
+    from pipeline.seqrec.reattention import DPFormer
+
+    other = build(blocks=len(model.blocks))
+    other.form, other.corrected = kw.get("form", "propagated"), kw.get("corrected")
+    other.load_state_dict(model.state_dict())
+    other.set_errors(model.block_err, model.item_err)
+    assert isinstance(other, DPFormer)
+    return other.eval()
+
+
+def test_ablation_off_is_the_vanilla_attention_with_the_same_variances():
+    """form=off: the scores of the vanilla Transformer with the same weights, though the errors are
+    set and the variances still propagated (and recorded)."""
+    model = build().eval()
+    model.set_errors(0.05, torch.full((M + 1,), 0.3, dtype=torch.float64))
+    vanilla = build(False).eval()
+    vanilla.load_state_dict(model.state_dict())
+    off = _with(model, form="off")
+    record = []
+    with torch.no_grad():
+        torch.testing.assert_close(off(IDS, record=record), vanilla(IDS), rtol=1e-12, atol=1e-12)
+        assert not torch.allclose(model(IDS), vanilla(IDS))
+    assert all(float(r["var"].max()) > 0 and float(r["used"].abs().max()) == 0 for r in record)
+
+
+def test_ablation_paper_form_is_the_propagated_one_when_key_coordinates_are_independent():
+    """Eq. 5.2's form drops the covariance between the key's coordinates; with a diagonal W_k on
+    independent inputs there is none, and the two forms agree; with a full W_k they differ."""
+    model = build(blocks=1).eval()
+    model.set_errors(0.05, torch.full((M + 1,), 0.3, dtype=torch.float64))
+    paper = _with(model, form="paper")
+    rec_p, rec_m = [], []
+    with torch.no_grad():
+        paper(IDS, record=rec_p)
+        assert (rec_p[0]["used"] - rec_p[0]["var"]).abs().max() > 1e-3 * rec_p[0]["var"].max()
+        for m in (model, paper):
+            m.blocks[0].attn.k.weight.copy_(torch.diag(torch.linspace(0.5, 2.0, 8, dtype=torch.float64)))
+        paper(IDS, record=rec_p)
+        model(IDS, record=rec_m)
+    torch.testing.assert_close(rec_p[-1]["used"], rec_m[-1]["used"], rtol=1e-10, atol=1e-14)
+
+
+def test_ablation_blocks_corrects_only_the_blocks_named():
+    model = build().eval()
+    model.set_errors(0.05, torch.full((M + 1,), 0.3, dtype=torch.float64))
+    second = _with(model, corrected=[2])
+    off = _with(model, form="off")
+    rec_s, rec_o = [], []
+    with torch.no_grad():
+        second(IDS, record=rec_s)
+        off(IDS, record=rec_o)
+    assert float(rec_s[0]["used"].abs().max()) == 0 and torch.equal(rec_s[0]["att"], rec_o[0]["att"])
+    assert torch.equal(rec_s[1]["used"], rec_s[1]["var"]) and not torch.equal(rec_s[1]["att"], rec_o[1]["att"])
+
+
+def test_ablations_are_named_apart_in_results(cfg_for):
+    names = {train.model_name(cfg_for(*TINY, *o).model) for o in
+             ((), ("model.reattention.form=off",), ("model.reattention.form=paper",), ("model.reattention.blocks=[2]",),
+              ("model.reattention.form=paper", "model.reattention.blocks=[1,2]"))}
+    assert names == {"dpformer", "dpformer:form-off", "dpformer:form-paper", "dpformer:blocks-2",
+                     "dpformer:form-paper:blocks-1_2"}
+    assert train.model_name(cfg_for(*TINY, "model=transformer").model) == "transformer"
+    # the privacy assumption is part of the name: presence=private is the default
+    assert cfg_for(*TINY).model.reattention.presence == "private"
+    assert train.model_name(cfg_for(*TINY, "model=dpformer_public").model) == "dpformer:presence-public"
+
+
 def test_corrected_scores_are_the_divided_and_renormalised_distribution():
     model = build().eval()
     model.set_errors(0.2, torch.linspace(0, 1.5, M + 1, dtype=torch.float64))
@@ -295,7 +364,11 @@ def test_bad_reattention_settings_are_refused_naming_the_key(cfg_for):
     for override, needle in (("model.reattention.presence=nosuch", r"model\.reattention\.presence"),
                              ("model.reattention.eps_share=0", r"model\.reattention\.eps_share"),
                              ("model.reattention.eps_share=1", r"model\.reattention\.eps_share"),
-                             ("model.arch=gru", r"model\.reattention")):
+                             ("model.arch=gru", r"model\.reattention"),
+                             ("model.reattention.form=nosuch", r"model\.reattention\.form"),
+                             ("model.reattention.blocks=[3]", r"model\.reattention\.blocks"),
+                             ("model.reattention.blocks=[0]", r"model\.reattention\.blocks"),
+                             ("model.reattention.blocks=2", r"model\.reattention\.blocks")):
         with pytest.raises(ConfigError, match=needle):
             tasks.validate(cfg_for(*TINY, "model.reattention.presence=private", override))
 
@@ -313,7 +386,7 @@ def test_private_presence_noise_and_budget_split(cfg_for):
     assert diff.std().item() == pytest.approx(3.0 * math.sqrt(M), rel=0.05)
     assert abs(diff.mean().item()) < 0.2
     # the plan: histogram at (share eps, share delta), DP-SGD at the rest, spent = the sum <= eps
-    public = train.plan(cfg_for(*TINY), 80)
+    public = train.plan(cfg_for(*TINY, "model=dpformer_public"), 80)
     private = train.plan(cfg_for(*TINY, "model.reattention.presence=private", "model.reattention.eps_share=0.1"), 80)
     assert public.presence_multiplier == 0 and private.presence_multiplier > 0
     assert private.presence_multiplier == pytest.approx(privacy.gaussian_multiplier(eps=0.8, delta=1e-6))

@@ -30,13 +30,13 @@ HEADLINE_PARAMS = ("model", "clipping", "eps", "lr", "B", "seed")  # the runs ta
 
 
 def cell_name(cfg: DictConfig) -> str:
-    return (f"{cfg.dataset.name} {cfg.model.name} {cfg.clipping.name} eps={cfg.privacy.eps:g} "
+    return (f"{cfg.dataset.name} {train.model_name(cfg.model)} {cfg.clipping.name} eps={cfg.privacy.eps:g} "
             f"lr={cfg.seqrec.lr:g} B={cfg.seqrec.batch_size} seed={cfg.seed}")
 
 
 def headline_params(cfg: DictConfig) -> dict:
     """Short params, the same for every cell of every next-item sweep (``HEADLINE_PARAMS``)."""
-    values = (cfg.model.name, cfg.clipping.name, cfg.privacy.eps, cfg.seqrec.lr, cfg.seqrec.batch_size, cfg.seed)
+    values = (train.model_name(cfg.model), cfg.clipping.name, cfg.privacy.eps, cfg.seqrec.lr, cfg.seqrec.batch_size, cfg.seed)
     return dict(zip(HEADLINE_PARAMS, values))
 
 
@@ -63,7 +63,7 @@ def run(cfg: DictConfig) -> Path:
     if job is None:  # a resumed sweep: this folder holds the same cell, finished
         return out / "results.csv"
     tracking.setup(cfg)
-    tags = job.tags() | {"task": "seqrec", "dataset": cfg.dataset.name, "model": cfg.model.name,
+    tags = job.tags() | {"task": "seqrec", "dataset": cfg.dataset.name, "model": train.model_name(cfg.model),
                          "clipping": cfg.clipping.name}
     name = cell_name(cfg)
     k = int(cfg.seqrec.k)
@@ -72,7 +72,7 @@ def run(cfg: DictConfig) -> Path:
         mlflow.log_params(headline_params(cfg))
         tracking.log_params("data", {**seqs.stats(), "L": seqs.L, "seed": cfg.seed})
         tracking.log_params("train", {
-            "model": cfg.model.name, "clipping": cfg.clipping.name, "rule": cfg.clipping.rule,
+            "model": train.model_name(cfg.model), "clipping": cfg.clipping.name, "rule": cfg.clipping.rule,
             "C": cfg.clipping.C, "eps": cfg.privacy.eps, "lr": cfg.seqrec.lr, "epochs": cfg.seqrec.epochs,
             "accountant": cfg.seqrec.accountant, **run_plan.as_params()})
         tracking.log_params("compute", {"device": str(dev), "device_name": device.name(dev), "tf32": cfg.compute.tf32})
@@ -103,12 +103,12 @@ def run(cfg: DictConfig) -> Path:
             tracking.log_metrics("compute", {"peak_memory_gb": peak})
         rows = evaluate.run(model, seqs, cfg)
         results = pd.DataFrame([{
-            "task": "seqrec", "dataset": cfg.dataset.name, "model": cfg.model.name, "clipping": cfg.clipping.name,
+            "task": "seqrec", "dataset": cfg.dataset.name, "model": train.model_name(cfg.model), "clipping": cfg.clipping.name,
             "rule": cfg.clipping.rule, "eps": float(cfg.privacy.eps), "eps_spent": run_plan.eps_spent,
             "delta": run_plan.delta, "sigma": run_plan.sigma, "batch_size": run_plan.batch_size,
             "lr": float(cfg.seqrec.lr), "epochs": int(cfg.seqrec.epochs), "L": seqs.L, "seed": int(cfg.seed),
             **row} for row in rows])
-        mlflow.log_metrics(headline_metrics(rows, cfg.model.name, k))
+        mlflow.log_metrics(headline_metrics(rows, train.model_name(cfg.model), k))
         for row in rows:
             tracking.log_metrics(f"evaluate.{row['method']}", {f"{row['split']}_{key}": row[key]
                                                                for key in (f"ndcg{k}", f"hit{k}") if row.get(key) is not None})

@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import math
 
-from omegaconf import DictConfig
+from omegaconf import DictConfig, ListConfig
 
 from pipeline.validation import ConfigError
-from pipeline.seqrec import clipping, data, models
+from pipeline.seqrec import clipping, data, models, reattention
 from pipeline.seqrec.clipping.norms import MODES
 
 ACCOUNTANTS = ("rdp", "prv")  # Opacus accountants that calibrate DP-SGD's noise
@@ -24,11 +24,13 @@ def _int(value, key: str, low: int) -> int:
 
 
 def _num(value, key: str, low: float, high: float = math.inf, low_open: bool = True) -> float:
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and not math.isnan(value)
+    """A finite number in the interval (inf is refused: no key here means anything at infinity)."""
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
     if ok:
         ok = (value > low if low_open else value >= low) and value <= high
     if not ok:
-        raise ConfigError(f"{key} must lie in {'(' if low_open else '['}{low}, {high}], got {value!r}")
+        close = ")" if math.isinf(high) else "]"
+        raise ConfigError(f"{key} must be a finite number in {'(' if low_open else '['}{low}, {high}{close}, got {value!r}")
     return float(value)
 
 
@@ -60,6 +62,14 @@ def validate(cfg: DictConfig) -> None:
         if m.arch != "transformer":
             raise ConfigError(f"model.reattention needs model.arch=transformer, got {m.arch!r}")
         presence = _choice(m.reattention.get("presence"), "model.reattention.presence", ("public", "private"))
+        _choice(m.reattention.get("form", "propagated"), "model.reattention.form", reattention.FORMS)
+        corrected = m.reattention.get("blocks")
+        if corrected is not None:
+            ok = isinstance(corrected, (list, ListConfig)) and all(
+                isinstance(b, int) and not isinstance(b, bool) and 1 <= b <= int(m.blocks) for b in corrected)
+            if not ok:
+                raise ConfigError(f"model.reattention.blocks must be null (every block) or a list of block numbers "
+                                  f"from 1 to model.blocks = {m.blocks}, got {corrected!r}")
         if presence == "private":
             _num(m.reattention.get("eps_share"), "model.reattention.eps_share", 0.0, 1.0)
             if m.reattention.eps_share >= 1:
@@ -92,6 +102,7 @@ def validate(cfg: DictConfig) -> None:
     _int(t.eval_every, "seqrec.eval_every", 1)
     _int(t.eval_batch, "seqrec.eval_batch", 1)
     _int(t.k, "seqrec.k", 1)
+    _num(t.get("paper_gain", 0.2), "seqrec.paper_gain", -1.0)
     if t.get("threads") is not None:
         _int(t.threads, "seqrec.threads", 1)
     if not isinstance(t.get("checkpoint", True), bool):

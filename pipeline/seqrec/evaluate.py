@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from pipeline.seqrec import attention, metrics
+from pipeline.seqrec import attention, metrics, train
 
 BASELINES = ("popular", "oracle")  # the rows of every cell that are not the trained model (method column)
 
@@ -48,7 +48,7 @@ def run(model, seqs, cfg) -> list[dict]:
     rows = []
     for split, inputs, target in (("valid", seqs.valid_input, seqs.valid_target),
                                   ("test", seqs.test_input, seqs.test_target)):
-        row = {"method": cfg.model.name, "split": split, **model_metrics(model, inputs, target, k=k, batch=batch)}
+        row = {"method": train.model_name(cfg.model), "split": split, **model_metrics(model, inputs, target, k=k, batch=batch)}
         if split == "test" and seqs.relevant is not None:
             row |= attention.relevant_mass(model, inputs, seqs.relevant, batch=batch)
         rows.append(row)

@@ -52,6 +52,7 @@ import torch.nn.functional as F
 
 from pipeline.seqrec.models import Transformer
 
+FORMS = ("propagated", "paper", "off")  # model.reattention.form: the logit variance the correction uses
 EULER_GAMMA = 0.5772156649015329  # zeta of Eq. 5.2: the mean of a standard Gumbel (the paper prints pi^2/6)
 
 
@@ -140,10 +141,21 @@ class DPFormer(Transformer):
     """The tied Transformer plus Re-Attention. The same parameters and module calls as
     ``Transformer`` (so every clipping engine walks it the same way); the variances are computed
     with plain tensor operations, under ``torch.no_grad``. With zero errors (``set_errors`` not
-    called, or sigma_dp = 0) its forward is the Transformer's, bit for bit."""
+    called, or sigma_dp = 0) its forward is the Transformer's, bit for bit.
 
-    def __init__(self, n_items: int, max_len: int, **kw):
+    Ablations (``model.reattention``): ``form`` is the logit variance the correction subtracts:
+    ``propagated`` (this project's: the linear rule on the logit itself, ``logit_var``), ``paper``
+    (Eq. 5.2: the key's coordinates independent, Var_i = sum_j q_j^2 Var K_ij / d_h, which is
+    <q, q> sigma_i^2 / d_h when they share one variance) or ``off`` (no correction: the vanilla
+    attention of a model built and calibrated the same way); ``blocks``, the blocks corrected
+    (numbered from 1; None: all). The variances are propagated through every block either way."""
+
+    def __init__(self, n_items: int, max_len: int, *, form: str = "propagated", corrected=None, **kw):
         super().__init__(n_items, max_len, **kw)
+        if form not in FORMS:
+            raise ValueError(f"form must be one of {FORMS}, got {form!r}")
+        self.form = form
+        self.corrected = None if corrected is None else frozenset(int(b) for b in corrected)
         self.block_err = 0.0
         self.register_buffer("item_err", torch.zeros(n_items + 1), persistent=False)
 
@@ -166,8 +178,8 @@ class DPFormer(Transformer):
             e2 = self.item_err.to(x.dtype)[ids] ** 2 * mask
             var = (e2 + self.block_err ** 2)[..., None].expand_as(x).clone()
             mean = x.detach()  # the first block's input is linear in the parameters: its mean is the forward's
-        for block in self.blocks:
-            x, mean, var = self._block(block, x, mean, var, allowed, record)
+        for number, block in enumerate(self.blocks, 1):
+            x, mean, var = self._block(block, x, mean, var, allowed, record, number)
         return self.scores(x)
 
     def logit_var(self, attn, x: torch.Tensor, var: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
@@ -183,7 +195,21 @@ class DPFormer(Transformer):
         out = (a * a) @ v.transpose(-1, -2) + qq * e2 * (v + x[:, None] ** 2).sum(-1)[:, :, None, :]
         return (out + qq * e2) / dh
 
-    def _block(self, block, x, mean, var, allowed, record):
+    def paper_logit_var(self, attn, x: torch.Tensor, var: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+        """Eq. 5.2's variance: sum_j q_j^2 Var K_ij / d_h, the key's coordinates independent, each with
+        its variance by the linear rule (``form=paper``): (n, h, T, T)."""
+        var_k = attn.split(linear_var(x, var, attn.k.weight, self.block_err, True))  # (n, h, T, d_h)
+        return (q * q) @ var_k.transpose(-1, -2) / q.shape[-1]
+
+    def correction(self, attn, mean, var, q, number: int) -> torch.Tensor:
+        """The logit variances of block ``number`` (the ``propagated`` form, whatever the ablation: the
+        record keeps them) and the ones the correction subtracts half of (zero where it is off)."""
+        lv = self.logit_var(attn, mean, var, q)
+        if self.form == "off" or (self.corrected is not None and number not in self.corrected):
+            return lv, torch.zeros_like(lv)
+        return lv, lv if self.form == "propagated" else self.paper_logit_var(attn, mean, var, q)
+
+    def _block(self, block, x, mean, var, allowed, record, number: int = 1):
         """One block's forward (the model's computation, Re-Attention's correction in its attention)
         and the moments of its output under the parameters' noise: (output, mean, variance).
 
@@ -195,11 +221,11 @@ class DPFormer(Transformer):
         attn, err = block.attn, self.block_err
         q, v, scores = attn.logits(x)
         with torch.no_grad():
-            lv = self.logit_var(attn, mean, var, q.detach())
-        scores = (scores - lv / 2).masked_fill(~allowed[:, None], float("-inf"))
+            lv, used = self.correction(attn, mean, var, q.detach(), number)
+        scores = (scores - used / 2).masked_fill(~allowed[:, None], float("-inf"))
         att = torch.softmax(scores, dim=-1)
         if record is not None:
-            record.append({"var": lv, "att": att.detach(), "x": x.detach(), "q": q.detach()})
+            record.append({"var": lv, "used": used, "att": att.detach(), "x": x.detach(), "q": q.detach()})
         a = att.detach()
         att = attn.drop(att)
         y = attn.merge(att @ v)

@@ -51,14 +51,41 @@ class Plan:
         return {k: v for k, v in self.__dict__.items()}
 
 
+class Diverged(RuntimeError):
+    """Training produced a non-finite loss or parameter: the run is FAILED, never FINISHED with NaN metrics."""
+
+
+def model_name(cfg) -> str:
+    """The model's name in results, tables, run names and metric keys: ``model.name``, with each
+    Re-Attention setting that departs from the defaults after a colon (``dpformer:presence-public``,
+    ``dpformer:form-off``, ``dpformer:blocks-2``, ``dpformer:form-paper:blocks-1_2``: characters
+    MLflow accepts in a metric name), so that a sweep over ablations keeps them apart and a table
+    says which privacy assumption a row made."""
+    re = cfg.get("reattention")
+    if re is None:
+        return str(cfg.name)
+    parts = [str(cfg.name)]
+    if re.get("presence", "private") != "private":
+        parts.append(f"presence-{re.presence}")
+    if re.get("form", "propagated") != "propagated":
+        parts.append(f"form-{re.form}")
+    if re.get("blocks") is not None:
+        parts.append("blocks-" + "_".join(str(b) for b in re.blocks))
+    return ":".join(parts)
+
+
 def build(cfg, n_items: int, max_len: int) -> models.SeqModel:
     """The model ``cfg`` (a ``conf/seqrec/model/*.yaml``) names, for M = n_items and inputs of length max_len."""
     common = dict(dropout=float(cfg.dropout), tied=bool(cfg.tied), init_std=float(cfg.init_std))
     d = int(cfg.d)
     if cfg.arch == "transformer":
-        cls = reattention.DPFormer if cfg.get("reattention") is not None else models.Transformer  # model=dpformer
-        return cls(n_items, max_len, d=d, heads=int(cfg.heads), blocks=int(cfg.blocks),
-                   d_ff=int(cfg.d_ff), **common)
+        shape = dict(d=d, heads=int(cfg.heads), blocks=int(cfg.blocks), d_ff=int(cfg.d_ff), **common)
+        re = cfg.get("reattention")
+        if re is not None:  # model=dpformer
+            blocks = re.get("blocks")
+            return reattention.DPFormer(n_items, max_len, form=str(re.get("form", "propagated")),
+                                        corrected=None if blocks is None else list(blocks), **shape)
+        return models.Transformer(n_items, max_len, **shape)
     if cfg.arch in ("gru", "lstm"):
         return models.Recurrent(n_items, max_len, cell=cfg.arch, d=d, layers=int(cfg.layers), **common)
     raise ValueError(f"unknown model.arch {cfg.arch!r}")
@@ -201,6 +228,9 @@ def run(seqs, cfg, run_plan: Plan, on_epoch: Callable[[int, dict], None] | None 
             users += len(losses)
             if norms is not None:
                 norm_sum += float(norms.sum())
+        if not math.isfinite(loss_sum) or not all(bool(torch.isfinite(p).all()) for p in model.parameters()):
+            raise Diverged(f"training diverged in epoch {epoch}: the loss or a parameter is not finite "
+                           f"(seqrec.lr = {train.lr}, clipping.C = {cfg.clipping.C}); the run ends FAILED")
         history.epoch.append(epoch)
         history.loss.append(loss_sum / max(users, 1))
         history.mean_norm.append(norm_sum / max(users, 1) if engine.private else math.nan)
