@@ -10,10 +10,13 @@ may be left RUNNING."""
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
+import pandas as pd
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -71,3 +74,164 @@ def test_a_sweep_through_slurm_equals_the_default_launchers(cluster, tmp_path, a
     a, b = (tmp_path / "local" / "results.csv").read_bytes(), (tmp_path / "slurm" / "results.csv").read_bytes()
     assert a == b
     assert statuses(store) and set(statuses(store)) == {"FINISHED"}
+
+
+# --- cells that end without their result ---------------------------------------------------------
+
+CELL = ["experiment=dpformer_ci", "dataset.n_users=80", "dataset.L=10", "seqrec.batch_size=40"]
+
+
+def launch(args, folder: Path, store: str, conf: str) -> subprocess.Popen:
+    env = dict(os.environ, PYTHONWARNINGS="ignore", SLURM_CONF=conf)
+    cmd = [sys.executable, "-m", "pipeline", *SLURM, *args, f"hydra.sweep.dir={folder}",
+           f"mlflow.tracking_uri={store}", "-m"]
+    return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+
+
+def wait_for(what: str, check, timeout: float = 180.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline, f"{what}: not within {timeout:.0f} s"
+        time.sleep(1)
+
+
+def runs(store: str) -> list:
+    import mlflow
+
+    client = mlflow.MlflowClient(tracking_uri=store)
+    try:
+        exps = client.search_experiments()
+        return client.search_runs([e.experiment_id for e in exps]) if exps else []
+    except Exception:  # the store is being created by the sweep
+        return []
+
+
+def array_task(folder: Path, task: int) -> str:
+    found = [p.name for p in (folder / ".submitit").glob(f"*_{task}")]
+    assert len(found) == 1, found
+    return found[0]
+
+
+def queue(conf: str) -> list[str]:
+    out = subprocess.run(["squeue", "-h", "-r", "-o", "%i"], env=dict(os.environ, SLURM_CONF=conf),
+                         capture_output=True, text=True)
+    return out.stdout.split()
+
+
+def test_a_cancelled_cell_fails_alone_and_the_others_are_awaited(cluster, tmp_path):
+    """Cell 0 runs without end and is cancelled with scancel while it runs; cell 1 starts a minute
+    later (its job's setup sleeps), so it is still to come when submitit learns of the cancel. The
+    sweep must await it: one cell failed, the other summarised, nothing RUNNING. (Before the fix
+    the sweep ended at the cancel and reported both cells failed.)"""
+    store = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    folder = tmp_path / "sweep"
+    proc = launch([*CELL, "seqrec.epochs=100000,1", "hydra.launcher.setup=['sleep $((SLURM_ARRAY_TASK_ID * 60))']"],
+                  folder, store, cluster)
+    try:
+        wait_for("cell 0's run RUNNING", lambda: any(r.info.status == "RUNNING" for r in runs(store)))
+        subprocess.run(["scancel", array_task(folder, 0)], env=dict(os.environ, SLURM_CONF=cluster), check=True)
+        out, err = proc.communicate(timeout=400)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 1, err[-3000:]
+    assert "1 of 2 cells failed" in err and "seqrec.epochs=100000" in err, err[-3000:]
+    results = pd.read_csv(folder / "results.csv")
+    assert len(results) > 0 and set(results["epochs"]) == {1}
+    statuses = sorted(r.info.status for r in runs(store))
+    assert "RUNNING" not in statuses and statuses.count("FINISHED") == 2, statuses  # cell 1 and the parent
+    assert not queue(cluster)
+
+
+def test_a_cell_past_its_time_limit_fails_alone(cluster, tmp_path):
+    """A one-minute limit: cell 0 (without end) is stopped at it, cell 1 finishes and is summarised."""
+    store = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    folder = tmp_path / "sweep"
+    proc = launch([*CELL, "seqrec.epochs=100000,1", "hydra.launcher.timeout_min=1",
+                   "hydra.launcher.signal_delay_s=20"], folder, store, cluster)
+    try:
+        out, err = proc.communicate(timeout=400)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 1, err[-3000:]
+    assert "1 of 2 cells failed" in err and "seqrec.epochs=100000" in err, err[-3000:]
+    assert set(pd.read_csv(folder / "results.csv")["epochs"]) == {1}
+    statuses = sorted(r.info.status for r in runs(store))
+    assert "RUNNING" not in statuses and statuses.count("FINISHED") == 2, statuses
+    assert not queue(cluster)
+
+
+def test_resume_after_the_submitter_is_killed(cluster, tmp_path):
+    """The submitting process is killed (SIGKILL) once cell 0 finished, while cell 1's job still
+    waits in its setup. ``hydra.sweeper.resume=true`` into the same folder cancels that orphan job,
+    keeps cell 0 (no second run of it), runs cell 1 and summarises both: results equal to the default
+    launcher's, every run FINISHED, the queue empty."""
+    store = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    folder = tmp_path / "sweep"
+    args = [*CELL, "seqrec.epochs=1", "seed=0,1"]
+    proc = launch([*args, "hydra.launcher.setup=['sleep $((SLURM_ARRAY_TASK_ID * 600))']"], folder, store, cluster)
+    try:
+        wait_for("cell 0 FINISHED", lambda: any(r.info.status == "FINISHED" for r in runs(store)))
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+    orphan = array_task(folder, 1)
+    assert orphan in queue(cluster)
+    resumed = launch([*args, "hydra.sweeper.resume=true"], folder, store, cluster)
+    out, err = resumed.communicate(timeout=400)
+    assert resumed.returncode == 0, err[-3000:]
+    assert "cancelled 1 SLURM job(s) of an earlier launch" in out and orphan in out, out[-3000:]
+    assert orphan not in queue(cluster)
+    local = sweep(args, tmp_path / "local", f"sqlite:///{tmp_path / 'local.db'}")
+    assert local.returncode == 0, local.stderr[-3000:]
+    assert (folder / "results.csv").read_bytes() == (tmp_path / "local" / "results.csv").read_bytes()
+    cells = [r for r in runs(store) if r.data.tags.get("kind") == "cell"]
+    assert sorted(r.info.status for r in cells) == ["FINISHED", "FINISHED"]  # cell 0 ran once
+    assert {r.info.status for r in runs(store)} == {"FINISHED"}
+
+
+class _Job:
+    """A submitit job as ``submitit_jobs._await`` sees it (no cluster needed)."""
+
+    def __init__(self, done: bool, state: str):
+        self.job_id, self._done, self.state = "7_1", done, state
+
+    def done(self):
+        return self._done
+
+    def submission(self):
+        return type("Submission", (), {"args": (["seed=1"], "hydra.sweep.dir", 1)})()
+
+
+def test_a_job_without_its_result_becomes_a_failed_cell_not_an_exception():
+    from submitit.core.utils import UncompletedJobError
+
+    from hydra_plugins.pipeline_sweeper import submitit_jobs
+
+    def original(job):
+        raise UncompletedJobError("has not produced any output (state: CANCELLED)")
+
+    [ret] = submitit_jobs._await(_Job(done=True, state="CANCELLED"), original)
+    assert ret.status.name == "FAILED" and ret.overrides == ["seed=1"]
+    assert isinstance(ret._return_value, UncompletedJobError)
+    assert submitit_jobs._await(_Job(done=True, state="COMPLETED"), lambda job: ["ok"]) == ["ok"]
+
+
+def test_a_job_that_vanished_from_the_cluster_is_failed_after_a_bounded_wait(monkeypatch):
+    """SLURM 22.05 keeps no sacct record of an array task cancelled while PENDING: submitit sees it
+    UNKNOWN for ever. Once squeue no longer lists it either, the wait ends after VANISHED_S."""
+    from hydra_plugins.pipeline_sweeper import submitit_jobs
+
+    monkeypatch.setattr(submitit_jobs, "VANISHED_S", 0.3)
+    monkeypatch.setattr(submitit_jobs, "POLL_S", 0.05)
+    monkeypatch.setattr(submitit_jobs.shutil, "which", lambda cmd: "/usr/bin/" + cmd)
+    queued = {"7_1"}
+    monkeypatch.setattr(submitit_jobs, "_queued", lambda ids: queued & set(ids))
+    job = _Job(done=False, state="UNKNOWN")
+    start = time.monotonic()
+    queued.clear()  # gone from squeue too
+    [ret] = submitit_jobs._await(job, lambda job: pytest.fail("results of a vanished job"))
+    assert ret.status.name == "FAILED" and "without a result or an accounting record" in str(ret._return_value)
+    assert 0.3 <= time.monotonic() - start < 5

@@ -13,7 +13,11 @@
 - when the cells are done, ``pipeline.sweep`` and the task's ``summarise`` write the tables,
   figures, report and parent run from the cells of this sweep that finished; failed cells are named and the exit status is 1;
 - Ctrl-C or SIGTERM ends the sweep's RUNNING runs as KILLED (joblib's workers are stopped);
-  SIGTERM exits with 143.
+  SIGTERM exits with 143;
+- under a submitit launcher, a cell that the cluster cancels, times out or kills is reported
+  failed while the sweep goes on awaiting, collecting and summarising the others; a relaunch into
+  the same folder first cancels the SLURM jobs its killed predecessor left queued or running
+  (``submitit_jobs``).
 
 It lives in ``hydra_plugins`` because Hydra only loads sweepers from there.
 """
@@ -31,6 +35,7 @@ from hydra.core.override_parser.overrides_parser import OverridesParser
 from omegaconf import OmegaConf, open_dict, read_write
 
 import pipeline  # noqa: F401  registers ${uid:} wherever Hydra loads its plugins (compose() included)
+from hydra_plugins.pipeline_sweeper import submitit_jobs
 
 log = logging.getLogger(__name__)
 
@@ -107,6 +112,16 @@ class ValidatingSweeper(BasicSweeper):
                  f"hydra.sweeper.swept=[{','.join(_quote(k) for k in swept)}]",
                  f"hydra.sweeper.cells={len(jobs)}", f"hydra.sweeper.started={time.time():.3f}"])
 
+    def _cancel_earlier_jobs(self) -> List[str]:
+        """Under ``submitit_slurm``: cancel the jobs an earlier launch into this sweep's submitit
+        folder left queued or running (see ``submitit_jobs.cancel_earlier_jobs``)."""
+        launcher = self.config.hydra.launcher
+        if "SlurmLauncher" not in str(launcher.get("_target_", "")) or not launcher.get("submitit_folder"):
+            return []
+        folder = Path(str(launcher.submitit_folder))
+        folder = folder.parent if "%" in folder.name else folder
+        return submitit_jobs.cancel_earlier_jobs(folder)
+
     def sweep(self, arguments: List[str]) -> Any:
         from pipeline import sweep as summary
         from pipeline import tracking
@@ -125,6 +140,10 @@ class ValidatingSweeper(BasicSweeper):
         self._pin(sweep_dir, jobs)
         sweep_dir.mkdir(parents=True, exist_ok=True)
         OmegaConf.save(self.config, sweep_dir / "multirun.yaml")
+        cancelled = self._cancel_earlier_jobs()
+        if cancelled:
+            log.warning("cancelled %d SLURM job(s) of an earlier launch into %s: %s", len(cancelled), sweep_dir,
+                        " ".join(cancelled))
         tracking.setup(self.config)  # create and migrate the store once, before any job opens it
         stale = tracking.end_running(self.config, tracking.SWEEP_DIR_TAG, str(sweep_dir), "FAILED")
         if stale:
@@ -134,7 +153,7 @@ class ValidatingSweeper(BasicSweeper):
         returns = []
         crashed = None
         try:
-            with tracking.sigterm_raises():
+            with tracking.sigterm_raises(), submitit_jobs.every_job_awaited():
                 initial_job_idx = 0
                 while not self.is_done():
                     batch = self.get_job_batch()
