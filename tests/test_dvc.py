@@ -67,6 +67,10 @@ def test_dvc_repro_builds_every_artifact_and_then_does_nothing(tmp_path):
     assert "attention_relevant" in table1 and "eps" in table1
     assert "non-private" in (repo / "artifacts/dpformer_table2/nonprivate/table.md").read_text()
     assert (repo / "artifacts/fig4/attack_risk.png").is_file()
+    distraction = repo / "artifacts/dpformer_distraction"  # the distraction measurement (pipeline/seqrec/distraction.py)
+    assert "| paper | 8 |" in (distraction / "table.md").read_text()
+    assert "paper.eps8.corrected.tail" in json.loads((distraction / "metrics.json").read_text())
+    assert (distraction / "distraction.png").stat().st_size > 0
     second = run(["dvc", "repro"], repo)
     assert "Running stage" not in second, second
     assert "up to date" in second.lower() or "didn't change" in second.lower(), second
@@ -83,6 +87,10 @@ LOADS = {  # what a stage's process imports: its entry points and the modules it
                         "pipeline.sweep", "pipeline.seqrec.task", "pipeline.seqrec.cell", "pipeline.seqrec.sweep",
                         "pipeline.seqrec.config", "pipeline.seqrec.synthetic",
                         "hydra_plugins.pipeline_sweeper.validating_sweeper", "hydra_plugins.pipeline_sweeper.searchpath"],
+    "dpformer_distraction": ["pipeline.seqrec.distraction", "pipeline.tasks", "pipeline.overrides", "pipeline.preflight",
+                             "pipeline.sweep", "pipeline.seqrec.task", "pipeline.seqrec.config", "pipeline.seqrec.data",
+                             "pipeline.seqrec.plot", "hydra_plugins.pipeline_sweeper.validating_sweeper",
+                             "hydra_plugins.pipeline_sweeper.searchpath"],
     "dpformer_fig3": ["benchmarks.seqrec_step", "pipeline.seqrec.clipping", "pipeline.seqrec.models",
                       "pipeline.seqrec.train"],
 }

@@ -11,7 +11,7 @@ import math
 from omegaconf import DictConfig, ListConfig
 
 from pipeline.validation import ConfigError
-from pipeline.seqrec import clipping, data, models, reattention
+from pipeline.seqrec import clipping, data, distraction, models, reattention
 from pipeline.seqrec.clipping.norms import MODES
 
 ACCOUNTANTS = ("rdp", "prv")  # Opacus accountants that calibrate DP-SGD's noise
@@ -107,9 +107,39 @@ def validate(cfg: DictConfig) -> None:
         _int(t.threads, "seqrec.threads", 1)
     if not isinstance(t.get("checkpoint", True), bool):
         raise ConfigError(f"seqrec.checkpoint must be true or false, got {t.get('checkpoint')!r}")
+    if cfg.get("distraction") is not None:
+        _distraction(cfg)
     ds = cfg.dataset
     _choice(ds.get("name"), "dataset.name", data.DATASETS)
     data.check_L(ds.get("L"))
     if ds.name in ("amazon_games", "movielens"):
         data.filters(ds)
         data.resolve(ds.get("path"))  # a missing file is refused here, before any run
+
+
+def _distraction(cfg: DictConfig) -> None:
+    """The ``distraction`` keys of ``python -m pipeline.seqrec.distraction`` (``pipeline/seqrec/distraction.py``)."""
+    d = cfg.distraction
+    if cfg.model.get("reattention") is None:
+        raise ConfigError(f"model={cfg.model.name}: the distraction measurement needs model=dpformer "
+                          "(Re-Attention's correction is one of the variants it measures)")
+    if cfg.clipping.name == "none":
+        raise ConfigError("clipping=none: the distraction measurement takes its noise scale from a private run's "
+                          "settings (clipping.C, seqrec.*, privacy.delta); give a private engine (the default, phantom)")
+    eps = d.get("eps")
+    if not isinstance(eps, ListConfig) or not len(eps):
+        raise ConfigError(f"distraction.eps must be a non-empty list of positive numbers, got {eps!r}")
+    for i, e in enumerate(eps):
+        _num(e, f"distraction.eps[{i}]", 0.0)
+    noise = d.get("noise")
+    if not isinstance(noise, ListConfig) or not len(noise) or any(n not in distraction.NOISES for n in noise):
+        raise ConfigError(f"distraction.noise must be a non-empty list of {list(distraction.NOISES)}, got {noise!r}")
+    _num(d.get("uniform_std"), "distraction.uniform_std", 0.0)
+    _int(d.get("draws"), "distraction.draws", 2)
+    _int(d.get("users"), "distraction.users", 1)
+    buckets = d.get("buckets")
+    ok = isinstance(buckets, ListConfig) and len(buckets) == 2 and all(
+        isinstance(b, (int, float)) and not isinstance(b, bool) and 0 < b < 1 for b in buckets) and buckets[0] < buckets[1]
+    if not ok:
+        raise ConfigError(f"distraction.buckets must be two quantiles 0 < a < b < 1 (tail: the items below a, "
+                          f"head: those above b), got {buckets!r}")

@@ -146,3 +146,40 @@ def attention_figure(results: pd.DataFrame, path: Path) -> Path:
     ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.18), ncol=4, frameon=False)
     fig.tight_layout()
     return save(fig, path, dpi=120)
+
+
+def distraction(summary: pd.DataFrame, path: Path, k: int = 10) -> Path:
+    """The distraction measurement (``pipeline/seqrec/distraction.py``) against eps: one column per
+    noise model; rows: the last block's attention mass on tail-item positions, on the positions that
+    drove the target (synthetic data only), and NDCG@k; noisy (no correction) and corrected (Re-
+    Attention) with 95% intervals over the draws, the clean model dashed."""
+    noises = list(dict.fromkeys(summary["noise"]))
+    measures = [("tail", "attention mass on tail items")]
+    if summary["relevant"].notna().any():
+        measures.append(("relevant", "attention mass on relevant positions"))
+    measures.append(("ndcg", f"test NDCG@{k} (%)"))
+    fig, axes = plt.subplots(len(measures), len(noises), figsize=(4.2 * len(noises), 2.6 * len(measures)),
+                             squeeze=False, sharex=True)
+    colors = {"noisy": "#d62728", "corrected": "#1f77b4"}
+    names = {"noisy": "noisy, no correction", "corrected": "noisy, Re-Attention"}
+    for c, noise in enumerate(noises):
+        part = summary[summary["noise"] == noise]
+        for r, (measure, ylabel) in enumerate(measures):
+            ax = axes[r][c]
+            for variant, g in part.groupby("variant", sort=False):
+                g = g.sort_values("eps")
+                ax.errorbar(g["eps"], g[measure], yerr=g[f"{measure}_ci"].fillna(0), marker="o", capsize=3,
+                            color=colors[variant], label=names[variant])
+            ax.axhline(float(part[f"{measure}_clean"].iloc[0]), color="grey", ls="--", lw=1, label="trained without noise")
+            ax.set_xscale("log")
+            ax.set_xticks(sorted(part["eps"].unique()))
+            ax.get_xaxis().set_major_formatter(matplotlib.ticker.ScalarFormatter())
+            ax.set_ylabel(ylabel, fontsize=8)
+            if r == 0:
+                ax.set_title(f"noise: {noise}", fontsize=9)
+            if r == len(measures) - 1:
+                ax.set_xlabel("eps")
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=3, fontsize=8, frameon=False)
+    fig.tight_layout(rect=(0, 0.06, 1, 1))
+    return save(fig, path, dpi=120)

@@ -1,0 +1,137 @@
+"""The distraction measurement (pipeline/seqrec/distraction.py): the popularity buckets against a
+brute-force ranking, the attention masses against uniform attention's closed form and their sum,
+zero noise leaving the clean model's numbers, and the entry point end to end (MLflow, report.dir,
+refusals before any folder)."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from pipeline.seqrec import distraction, train
+
+ROOT = Path(__file__).resolve().parents[1]
+M, L = 12, 6
+
+
+def rows(seed=0, users=40):
+    g = torch.Generator().manual_seed(seed)
+    popular = torch.distributions.Categorical(probs=torch.linspace(1, 0.05, M))  # item 1 most held
+    out = torch.stack([popular.sample((L + 1,)) + 1 for _ in range(users)])
+    out[:5, :3] = 0  # some left padding
+    return out
+
+
+def model(seed=1):
+    torch.manual_seed(seed)
+    cfg = dict(arch="transformer", d=8, heads=2, blocks=2, d_ff=16, dropout=0.0, tied=True, init_std=0.3, layers=1,
+               reattention={"presence": "public"})
+    return train.build(OmegaConf.create(cfg), M, L)
+
+
+def test_buckets_split_items_by_how_many_users_hold_them():
+    r = rows()
+    bucket, counts = distraction.item_buckets(r, M, [0.5, 0.9])
+    brute = torch.tensor([len({int(u) for u in (r == i).any(1).nonzero().flatten()}) for i in range(M + 1)])
+    assert torch.equal(counts[1:], brute[1:])
+    assert bucket[0] == -1
+    order = sorted(range(1, M + 1), key=lambda i: (int(brute[i]), i))  # least held first, ties by id
+    expect = [0] * 6 + [1] * 5 + [2] * 1  # shares (rank + 0.5) / 12 below 0.5: 6 items; below 0.9: 5 more
+    assert [int(bucket[i]) for i in order] == expect
+
+
+def test_masses_sum_to_one_and_match_uniform_attention_in_closed_form():
+    m = model()
+    r = rows(seed=3)
+    inputs, target = r[:, :-1], r[:, -1]
+    bucket, _ = distraction.item_buckets(r, M, [0.5, 0.9])
+    got = distraction.masses(m, inputs, target, None, bucket, k=5, batch=7)
+    for b in (1, 2):
+        assert sum(got[f"b{b}_{name}"] for name in distraction.BUCKETS) == pytest.approx(1.0, abs=1e-5)
+    with torch.no_grad():  # zero queries: every allowed position gets the same weight in every block
+        for block in m.blocks:
+            block.attn.q.weight.zero_()
+            block.attn.q.bias.zero_()
+    got = distraction.masses(m, inputs, target, None, bucket, k=5, batch=7)
+    kind = bucket[inputs]
+    allowed = (inputs != 0).double()
+    tail = ((kind == 0).double() * allowed).sum(1) / allowed.sum(1)
+    assert got["b1_tail"] == pytest.approx(float(tail.mean()), abs=1e-6)
+    assert got["b2_tail"] == pytest.approx(float(tail.mean()), abs=1e-6)
+    relevant = torch.zeros_like(inputs, dtype=torch.bool)
+    relevant[:, -2] = True
+    got = distraction.masses(m, inputs, target, relevant, bucket, k=5, batch=7)
+    expect = (allowed[:, -2] / allowed.sum(1)).mean()
+    assert got["b2_relevant"] == pytest.approx(float(expect), abs=1e-6)
+
+
+def test_without_noise_the_noisy_variant_is_the_clean_model():
+    from pipeline.seqrec.sequences import Sequences
+
+    r = rows(seed=5, users=60)
+    seqs = Sequences(n_items=M, train=r, valid_input=r[:, :-1], valid_target=r[:, -1], test_input=r[:, 1:],
+                     test_target=r[:, -1], popularity=torch.bincount(r.flatten(), minlength=M + 1))
+    cfg = OmegaConf.create({
+        "seed": 0, "clipping": {"name": "phantom", "C": 1.0},
+        "privacy": {"eps": 8.0, "delta": 1e-5},
+        "seqrec": {"k": 5, "eval_batch": 16, "batch_size": 20, "epochs": 1, "accountant": "rdp"},
+        "model": {"reattention": {"presence": "public", "form": "propagated"}},
+        "distraction": {"eps": [8.0], "noise": ["uniform"], "uniform_std": 1e-12, "draws": 2, "users": 50,
+                        "buckets": [0.5, 0.9]}})
+    m = model()
+    out = distraction.measure(m, seqs, cfg, torch.Generator().manual_seed(0))
+    clean = out[out.variant == "clean"].iloc[0]
+    noisy = out[out.variant == "noisy"]
+    assert len(noisy) == 2 and len(out[out.variant == "corrected"]) == 2
+    for col in ("b1_tail", "b2_tail", "b2_head", "ndcg"):
+        assert noisy[col].to_numpy() == pytest.approx(float(clean[col]), abs=1e-6)
+    assert (out[out.variant == "noisy"]["sigma"] > 0).all()
+
+
+def cli(*args, cwd=ROOT):
+    env = dict(os.environ, PYTHONWARNINGS="ignore")
+    return subprocess.run([sys.executable, "-m", "pipeline.seqrec.distraction", *args], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=600)
+
+
+TINY = ["dataset=synthetic_longtail_tiny", "seqrec.epochs=1", "distraction.draws=2", "distraction.users=40",
+        "distraction.eps=[8]", "seqrec.batch_size=32"]
+
+
+def test_the_entry_point_logs_to_mlflow_and_writes_report_dir(tmp_path):
+    store = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    proc = cli(*TINY, f"mlflow.tracking_uri={store}", f"report.dir={tmp_path / 'report'}",
+               f"hydra.run.dir={tmp_path / 'run'}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = tmp_path / "report"
+    for name in ("results.csv", "table.md", "distraction.png", "metrics.json"):
+        assert (report / name).is_file(), name
+    metrics = json.loads((report / "metrics.json").read_text())
+    assert {"paper.eps8.noisy.tail", "paper.eps8.corrected.ndcg", "uniform.eps8.noisy.tail", "clean.ndcg"} <= set(metrics)
+    import mlflow
+
+    client = mlflow.MlflowClient(tracking_uri=store)
+    [run] = client.search_runs([e.experiment_id for e in client.search_experiments()])
+    assert run.info.status == "FINISHED" and run.data.tags["kind"] == "distraction"
+    assert "distraction.paper.eps8.noisy.tail_mass" in run.data.metrics
+
+
+@pytest.mark.parametrize("bad,key", [
+    ("distraction.draws=1", "distraction.draws"),
+    ("distraction.eps=[8,-1]", "distraction.eps[1]"),
+    ("distraction.noise=[adam]", "distraction.noise"),
+    ("distraction.buckets=[0.9,0.5]", "distraction.buckets"),
+    ("model=transformer", "model=transformer"),
+    ("clipping=none", "clipping=none"),
+])
+def test_bad_settings_are_refused_before_any_folder(tmp_path, bad, key):
+    proc = cli(*TINY, bad, f"mlflow.tracking_uri=sqlite:///{tmp_path / 'mlflow.db'}", f"hydra.run.dir={tmp_path / 'run'}")
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: ") and key in lines[0], proc.stderr
+    assert not (tmp_path / "run").exists() and not (tmp_path / "mlflow.db").exists()
