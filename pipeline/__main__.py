@@ -18,6 +18,9 @@ def main(cfg: DictConfig) -> None:
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         sys.exit(2)
+    except KeyboardInterrupt:  # Ctrl-C: the run ended KILLED (pipeline.tracking.run); no traceback
+        print("error: interrupted (Ctrl-C); the run ended KILLED", file=sys.stderr)
+        sys.exit(130)
 
 
 if __name__ == "__main__":

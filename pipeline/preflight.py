@@ -58,6 +58,7 @@ def check(cfg: DictConfig, output: str | Path | None = None, key: str | None = N
     if output is None:
         output, key = _job_output()
     folder(output, key or "output folder")
+    report_dir(cfg)
     tracking_store(cfg)
     memory(cfg, task.memory(cfg, found), concurrent)
     if remember:
@@ -108,6 +109,13 @@ def folder(path: str | Path, key: str) -> None:
     why = _unwritable(path)
     if why:
         raise ConfigError(f"{key} = {str(path)!r} cannot be written: {why}")
+
+
+def report_dir(cfg: DictConfig) -> None:
+    """``report.dir`` (where a sweep copies its summary for DVC), if set, can be written."""
+    where = OmegaConf.select(cfg, "report.dir")
+    if where:
+        folder(str(where), "report.dir")
 
 
 # --- the MLflow store ----------------------------------------------------------------------
@@ -165,14 +173,18 @@ def _sqlite_store(uri: str, key: str, cfg: DictConfig) -> None:
         try:
             db = sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=10)
             try:
-                row = db.execute("SELECT artifact_location FROM experiments WHERE name = ?",
-                                 (str(cfg.mlflow.experiment),)).fetchone()
+                row = db.execute("SELECT artifact_location, lifecycle_stage, experiment_id FROM experiments "
+                                 "WHERE name = ?", (str(cfg.mlflow.experiment),)).fetchone()
             finally:
                 db.close()
         except sqlite3.OperationalError:  # a fresh store without tables yet
             row = None
         except sqlite3.DatabaseError as err:
             raise ConfigError(f"{key} = {uri!r}: {str(path)!r} is not an MLflow database ({err})") from None
+        if row and row[1] == "deleted":
+            raise ConfigError(f"mlflow.experiment = {str(cfg.mlflow.experiment)!r} is deleted in the store {uri!r}; "
+                              f"restore it (MLFLOW_TRACKING_URI={uri} mlflow experiments restore --experiment-id "
+                              f"{row[2]}) or give another mlflow.experiment")
         if row and row[0]:
             location = urlparse(row[0])
             if location.scheme not in ("", "file"):
@@ -258,6 +270,7 @@ class PreflightCallback(Callback):
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
         def environment() -> None:
             folder(str(config.hydra.sweep.dir), "hydra.sweep.dir")
+            report_dir(config)
             tracking_store(config)
 
         _exit_on_error(environment)

@@ -39,7 +39,8 @@ def collect(sweep_dir: Path, sweep_id: str, jobs: Sequence[Sequence[str]]) -> Ce
     found: dict[tuple[str, ...], dict] = {}
     for path in Path(sweep_dir).rglob(tracking.RECORD):
         record = tracking.read_record(path.parent)
-        if record and record.get("sweep") == sweep_id and record.get("status") == "FINISHED":
+        if record and record.get("sweep") == sweep_id and record.get("status") == "FINISHED" \
+                and tracking.results_intact(path.parent, record):
             found[tuple(record.get("overrides") or ())] = record | {"folder": str(path.parent)}
     cells = Cells()
     for job in jobs:

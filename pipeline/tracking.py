@@ -21,6 +21,7 @@ import json
 import logging
 import os
 import signal
+import socket
 import threading
 import time
 from dataclasses import dataclass
@@ -94,6 +95,52 @@ def setup(cfg: DictConfig) -> None:
         kind = cfg.mlflow.get("experiment_kind")
         if kind and experiment.tags.get(KIND_TAG) != kind:  # the UI opens the runs table, not the GenAI overview
             mlflow.MlflowClient().set_experiment_tag(experiment.experiment_id, KIND_TAG, str(kind))
+    reap(cfg)  # runs left RUNNING by a process of this host that was killed
+
+
+OWNER_TAGS = ("owner.host", "owner.pid", "owner.started")
+
+
+def _started(pid: int) -> str | None:
+    """When process ``pid`` started (clock ticks since boot, /proc/<pid>/stat field 22), or None if
+    there is no such process: with the pid, it names one process even after the pid is reused."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return stat.rsplit(")", 1)[1].split()[19]
+
+
+def owner() -> dict[str, str]:
+    """The tags that name the process owning a run (its host, pid and start): ``reap`` ends the
+    run FAILED once that process is gone."""
+    pid = os.getpid()
+    return {"owner.host": socket.gethostname(), "owner.pid": str(pid), "owner.started": _started(pid) or "?"}
+
+
+def reap(cfg: DictConfig) -> int:
+    """End FAILED every RUNNING run of the store (any experiment) whose owning process, on this
+    host, no longer exists (killed with SIGKILL, out of memory, a lost terminal), with the reason
+    as the tag ``failed_reason``; return how many. Runs owned on other hosts are left alone (a
+    sweep ends its own cells' runs when it ends)."""
+    client = mlflow.MlflowClient()
+    experiments = [e.experiment_id for e in client.search_experiments()]
+    if not experiments:
+        return 0
+    host = socket.gethostname().replace("'", "\\'")
+    found = client.search_runs(experiments, filter_string=f"attributes.status = 'RUNNING' and tags.`owner.host` = '{host}'",
+                               max_results=10000)
+    dead = 0
+    for r in found:
+        pid, started = r.data.tags.get("owner.pid", ""), r.data.tags.get("owner.started")
+        if not pid.isdigit() or _started(int(pid)) == started:
+            continue
+        client.set_tag(r.info.run_id, "failed_reason", f"its process (pid {pid} on {r.data.tags['owner.host']}) died")
+        client.set_terminated(r.info.run_id, "FAILED")
+        dead += 1
+    if dead:
+        log.warning("marked %d RUNNING run(s) FAILED: their process on this host is gone", dead)
+    return dead
 
 
 def output_dir() -> Path:
@@ -157,7 +204,7 @@ def run(name: str, tags: Mapping[str, str]) -> Iterator[mlflow.ActiveRun]:
     with status 143, as terminated: Ctrl-C stays a KeyboardInterrupt, 130)."""
     with sigterm_raises():
         try:
-            yield mlflow.start_run(run_name=name, tags=dict(tags))
+            yield mlflow.start_run(run_name=name, tags={**owner(), **dict(tags)})
         except Terminated:
             if mlflow.active_run() is not None:
                 mlflow.end_run(RunStatus.to_string(RunStatus.KILLED))
@@ -251,6 +298,7 @@ class Cell:
         sweep report's cells table)."""
         sweep = self.sweep
         write_record(self.out, {"run_id": run_id, "config_hash": self.digest, "status": "FINISHED",
+                                "results_sha256": _sha256(self.out / "results.csv"),
                                 "sweep": sweep.id if sweep else None,
                                 "overrides": list(sweep.overrides) if sweep else None,
                                 "compute": dict(compute or {})})
@@ -267,10 +315,28 @@ def begin_cell(cfg: DictConfig, out: Path) -> Cell | None:
     return cell
 
 
+def _sha256(path: Path) -> str | None:
+    try:
+        return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+    except OSError:
+        return None
+
+
+def results_intact(folder: Path, record: Mapping[str, object]) -> bool:
+    """Whether ``folder``'s results.csv is the one its FINISHED cell wrote (its hash, recorded
+    then): a file cut short, emptied or edited since is not."""
+    found = _sha256(Path(folder) / "results.csv")
+    if found is None or found != record.get("results_sha256"):
+        log.warning("%s/results.csv is missing or not what its cell wrote (damaged?); the cell counts as not done",
+                    folder)
+        return False
+    return True
+
+
 def _claim(cell: Cell) -> bool:
     record = read_record(cell.out)
     if not record or record.get("config_hash") != cell.digest or record.get("status") != "FINISHED" \
-            or not (cell.out / "results.csv").is_file():
+            or not results_intact(cell.out, record):
         return False
     write_record(cell.out, record | {"sweep": cell.sweep.id, "overrides": list(cell.sweep.overrides)})
     log.info("resume: %s finished earlier with the same config (run %s); skipped", cell.out, record["run_id"])

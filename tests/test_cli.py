@@ -144,3 +144,94 @@ def test_a_terminated_run_is_marked_killed(run_cli):
     assert proc.wait(timeout=60) == 143  # terminated, not interrupted (130)
     _, found = runs(run_cli.store)
     assert len(found) == 1 and found[0].info.status == "KILLED"
+
+
+def _start_and_wait_inside_run(cmd, store, timeout=120):
+    """Start ``cmd`` (its own process group) and return it once its MLflow run is RUNNING."""
+    import subprocess
+    import time
+
+    from conftest import ROOT
+
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    deadline = time.time() + timeout
+    while time.time() < deadline and proc.poll() is None:
+        time.sleep(0.3)
+        try:
+            found = runs(store)[1]
+        except Exception:  # the store is still being created
+            continue
+        if found and found[0].info.status == "RUNNING" and found[0].data.params:
+            return proc
+    raise AssertionError(f"no RUNNING run within {timeout} s: {proc.poll()}")
+
+
+LONG = {"noisyhead": ["regime=overparam", "trials=400"],
+        "seqrec": ["experiment=dpformer_ci", "seqrec.epochs=100000", "dataset.n_users=60", "dataset.L=8"]}
+
+
+@pytest.mark.parametrize("task", ["noisyhead", "seqrec"])
+def test_ctrl_c_ends_a_single_run_killed_with_130_and_one_line(run_cli, task):
+    import os
+    import signal
+    import sys
+
+    cmd = [sys.executable, "-m", "pipeline", *LONG[task], f"mlflow.tracking_uri={run_cli.store}",
+           f"hydra.run.dir={run_cli.tmp / 'run'}"]
+    proc = _start_and_wait_inside_run(cmd, run_cli.store)
+    os.kill(proc.pid, signal.SIGINT)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err[-3000:]
+    assert "Traceback" not in err, err[-3000:]
+    assert [ln for ln in err.splitlines() if ln.startswith("error:")] == \
+        ["error: interrupted (Ctrl-C); the run ended KILLED"], err[-3000:]
+    _, found = runs(run_cli.store)
+    assert [r.info.status for r in found] == ["KILLED"]
+
+
+@pytest.mark.parametrize("task", ["noisyhead", "seqrec"])
+def test_a_run_killed_outright_is_ended_failed_by_the_next_launch(run_cli, task):
+    """SIGKILL leaves the run RUNNING (nothing in the process can end it); the next launch on this
+    host finds its owner gone and ends it FAILED, with the reason as a tag."""
+    import os
+    import signal
+    import sys
+
+    cmd = [sys.executable, "-m", "pipeline", *LONG[task], f"mlflow.tracking_uri={run_cli.store}",
+           f"hydra.run.dir={run_cli.tmp / 'killed'}"]
+    proc = _start_and_wait_inside_run(cmd, run_cli.store)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.communicate(timeout=60)
+    _, found = runs(run_cli.store)
+    assert [r.info.status for r in found] == ["RUNNING"]
+    run_cli(*TINY)  # any launch into the store (here a NoisyHead run)
+    _, found = runs(run_cli.store)
+    statuses = {r.info.run_id: r.info.status for r in found}
+    dead = [r for r in found if r.data.tags.get("failed_reason")]
+    assert len(dead) == 1 and statuses[dead[0].info.run_id] == "FAILED", statuses
+    assert f"pid {proc.pid}" in dead[0].data.tags["failed_reason"]
+    assert sorted(statuses.values()) == ["FAILED", "FINISHED"]
+
+
+def test_a_deleted_experiment_is_refused_with_one_line(run_cli):
+    client = mlflow.MlflowClient(tracking_uri=run_cli.store)
+    client.delete_experiment(client.create_experiment("noisyhead-icl"))
+    proc = run_cli(*TINY, expect_ok=False)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    [line] = [ln for ln in proc.stderr.splitlines() if ln.startswith("error:")]
+    assert line.startswith("error: mlflow.experiment = 'noisyhead-icl' is deleted") and "restore" in line
+    assert "Traceback" not in proc.stderr and not (run_cli.tmp / "run").exists()
+
+
+def test_one_trial_gives_no_interval_rather_than_a_zero_width_one():
+    import math
+
+    import torch
+
+    from pipeline.noisyhead import evaluate
+
+    one = evaluate.summarize(torch.tensor([0.3], dtype=torch.float64), 0.95, "excess_risk")
+    assert one["excess_risk_mean"] == 0.3 and math.isnan(one["excess_risk_ci_low"]) and math.isnan(one["excess_risk_ci_high"])
+    two = evaluate.summarize(torch.tensor([0.3, 0.5], dtype=torch.float64), 0.95, "excess_risk")
+    assert two["excess_risk_ci_low"] < 0.4 < two["excess_risk_ci_high"]

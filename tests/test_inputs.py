@@ -23,6 +23,14 @@ from pipeline.noisyhead import newsgroups
 ROOT = Path(__file__).resolve().parents[1]
 NEWSGROUPS = ("dataset=newsgroups", "regime=newsgroups", "privacy.eps=0.5")
 
+DPF = ("experiment=dpformer_ci", "dataset.n_users=60", "dataset.L=8", "seqrec.epochs=1")
+FILE = ("experiment=dpformer_ci", "dataset=movielens", "dataset.L=5", "seqrec.epochs=1", "seqrec.batch_size=8")
+SEQREC_FILES = {  # file name (made by _seqrec_files): the key its error line names
+    "empty": "dataset.path", "blank_lines": "dataset.path", "non_integer": "dataset.path", "float_id": "dataset.path",
+    "negative_id": "dataset.path", "zero_id": "dataset.path", "three_columns": "dataset.path",
+    "binary": "dataset.path", "nul_bytes": "dataset.path", "k_core_empties": "dataset.k_core",
+}
+
 # name: (overrides, the key the error line starts with, the value it must name)
 CASES = {
     "attack_mu_overflows": (("attack=perturb", "attack.mu=1e308"), "attack.mu", "1e+308"),
@@ -47,6 +55,20 @@ CASES = {
     "C_inf": (("regime.C=inf",), "regime.C", "inf"),
     "memory": (("trials=100000000",), "trials", "100000000"),
     "memory_in_a_sweep": (("regime.N=1000", "trials=2,100000000", "-m"), "in the sweep cell", "trials = 100000000"),
+    "report_dir_read_only": (("report.dir={ro}/report",), "report.dir", "{ro}/report"),
+    "n_test_huge": (("dataset.n_test=100000000",), "dataset.n_test", "100000000"),
+    # DPFormer (task=seqrec): settings
+    "seqrec_eps_too_small": ((*DPF, "privacy.eps=1e-9"), "privacy.eps", "1e-09"),
+    "seqrec_noisyhead_accountant": ((*DPF, "privacy.accountant=tight"), "privacy.accountant", "tight"),
+    "seqrec_C_inf": ((*DPF, "clipping.C=inf"), "clipping.C", "inf"),
+    "seqrec_lr_inf": ((*DPF, "seqrec.lr=inf"), "seqrec.lr", "inf"),
+    "seqrec_weight_decay_inf": ((*DPF, "seqrec.weight_decay=inf"), "seqrec.weight_decay", "inf"),
+    "seqrec_L_huge": ((*DPF, "dataset.L=100000"), "dataset.L", "100000"),
+    # DPFormer: data files (SASRec's "user item" lines)
+    **{f"seqrec_file_{name}": ((*FILE, f"dataset.path={{tmp}}/{name}.txt"), key, f"{name}.txt")
+       for name, key in SEQREC_FILES.items()},
+    "seqrec_file_all_users_too_short": ((*FILE, "dataset.path={tmp}/short.txt", "dataset.k_core=null"),
+                                        "dataset.path", "short.txt"),
 }
 
 
@@ -64,6 +86,18 @@ def _feature_files(folder: Path) -> None:
     (folder / "truncated.npz").write_bytes(data[: len(data) // 2])
     articles.x["train"][3, 0] = np.nan
     newsgroups.save(articles, folder / "nan.npz", meta)
+
+
+def _seqrec_files(folder: Path) -> None:
+    """Bad interaction files, each next to good lines; short.txt: valid lines, every user too short."""
+    good = "".join(f"{u} {i}\n" for u in range(1, 8) for i in range(1, 8))
+    texts = {"empty": "", "blank_lines": "\n\n  \n", "non_integer": good + "3 x\n", "float_id": good + "3 1.5\n",
+             "negative_id": good + "3 -2\n", "zero_id": good + "0 2\n", "three_columns": good + "3 2 1\n",
+             "nul_bytes": good + "3 \x002\n", "k_core_empties": "1 1\n1 2\n2 1\n2 3\n",
+             "short": "1 1\n1 2\n2 1\n2 3\n3 4\n"}
+    for name, text in texts.items():
+        (folder / f"{name}.txt").write_text(text)
+    (folder / "binary.txt").write_bytes(bytes(range(256)) * 4)
 
 
 def _read_only(folder: Path) -> bool:
@@ -112,6 +146,7 @@ def _run(name: str, base: Path, ro: Path) -> tuple[subprocess.CompletedProcess, 
 def outcomes(tmp_path_factory):
     base = tmp_path_factory.mktemp("inputs")
     _feature_files(base)
+    _seqrec_files(base)
     ro = base / "read-only"
     ro.mkdir()
     can = _read_only(ro)
@@ -146,3 +181,4 @@ def test_bad_input_gives_one_error_line_and_exit_2_before_anything_runs(outcomes
             tables = {row[0] for row in db.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
             assert "runs" not in tables or db.execute("SELECT COUNT(*) FROM runs").fetchone()[0] == 0
     assert not (tmp / "mlruns").exists()
+    assert not (tmp / "run").exists() and not (tmp / "sweep").exists(), "a folder was left behind"

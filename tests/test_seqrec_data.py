@@ -132,6 +132,30 @@ def test_k_core_matches_brute_force_and_needs_iterating(seed):
     assert one_pass.sum() > len(data.k_core(users, items, 5)[0])  # one pass is not enough here
 
 
+def test_huge_ids_cost_nothing_in_the_filters():
+    """Ids near 2^53 (a file's ids are not dense): the filters count over dense ids, not up to the
+    largest id (which would need terabytes), and give what they give on dense ids."""
+    rng = np.random.default_rng(0)
+    users = rng.integers(1, 40, 500)
+    items = (rng.zipf(1.6, 500) % 50) + 1
+    big_u, big_i = users * 10**14 + 7, items * 10**14 + 3
+    u, i = data.k_core(big_u, big_i, 3)
+    du, di = data.k_core(users, items, 3)
+    assert np.array_equal((u - 7) // 10**14, du) and np.array_equal((i - 3) // 10**14, di)
+    u, i = data.most_popular(big_u, big_i, 10)
+    du, di = data.most_popular(users, items, 10)
+    assert np.array_equal((i - 3) // 10**14, di) and np.array_equal((u - 7) // 10**14, du)
+
+
+def test_repeated_lines_are_kept_and_counted(tmp_path, caplog):
+    f = tmp_path / "d.txt"
+    f.write_text("".join(f"{u} {i}\n" for u in range(1, 6) for i in (1, 2, 3, 2, 4)))
+    with caplog.at_level("WARNING"):
+        seqs = data.load(file_cfg(f), 5, 0)
+    assert "5 repeated (user, item) line(s)" in caplog.text
+    assert int((seqs.train != 0).sum()) == 5 * 3  # 5 interactions a user: 3 train, 1 valid, 1 test
+
+
 def test_reindex_is_dense_and_order_preserving():
     u, i, M = data.reindex(np.array([7, 7, 3, 9]), np.array([40, 12, 40, 5]))
     assert u.tolist() == [1, 1, 0, 2] and i.tolist() == [3, 2, 3, 1] and M == 3

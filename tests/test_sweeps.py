@@ -191,3 +191,48 @@ def test_a_sweep_id_that_looks_like_a_number_still_matches_its_cells(run_cli, sw
     assert sorted(results["N"].unique()) == [40, 60], proc.stderr[-2000:]
     records = [json.loads(p.read_text()) for p in (run_cli.tmp / "sweep").glob("*/cell.json")]
     assert [r["sweep"] for r in records] == [sweep_id, sweep_id]
+
+
+@pytest.mark.parametrize("damage", ["cut_mid_row", "emptied"])
+def test_resume_reruns_a_cell_whose_results_were_damaged(tmp_path, damage):
+    """A resumed sweep re-checks each finished cell's results.csv against the hash its cell recorded:
+    a file cut mid-row or emptied since is run again, never silently dropped nor a crash."""
+    store, sweep = f"sqlite:///{tmp_path / 'mlflow.db'}", tmp_path / "sweep"
+    common = [*TINY, f"mlflow.tracking_uri={store}", f"hydra.sweep.dir={sweep}", "regime.N=40,60"]
+    proc = cli(*common, "-m")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    whole = (sweep / "results.csv").read_bytes()
+    victim = sweep / "1" / "results.csv"  # the N = 60 cell's (job 1)
+    text = victim.read_bytes()
+    victim.write_bytes(text[: len(text) * 2 // 3] if damage == "cut_mid_row" else b"")
+    proc = cli(*common, "hydra.sweeper.resume=true", "-m")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "not what its cell wrote" in proc.stderr + proc.stdout
+    assert (sweep / "results.csv").read_bytes() == whole  # the cell ran again, to the same numbers
+    assert victim.read_bytes() == text
+
+
+def test_a_second_sweep_into_a_folder_in_use_is_refused(tmp_path):
+    """Two sweeps into one hydra.sweep.dir at once would overwrite each other's summary: the second
+    is refused with one error line (exit 2) while the first holds the folder; the first is unharmed."""
+    import subprocess
+    import sys
+    import time
+
+    store, sweep = f"sqlite:///{tmp_path / 'mlflow.db'}", tmp_path / "sweep"
+    args = [f"mlflow.tracking_uri={store}", f"hydra.sweep.dir={sweep}", "dataset.n_test=10", "regime.N=40",
+            "method=[ridge,noisyhead]"]
+    first = subprocess.Popen([sys.executable, "-m", "pipeline", *args, "trials=2", "seed=0,1,2,3,4,5", "-m"],
+                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 120
+    while not (sweep / ".sweep.lock").exists() or not (sweep / ".sweep.lock").read_text().strip():
+        assert time.time() < deadline and first.poll() is None, "the first sweep did not start"
+        time.sleep(0.2)
+    second = cli(*args, "trials=3", "seed=0,1", "-m")
+    assert first.poll() is None, "the first sweep ended before the second was tried: the test proves nothing"
+    assert second.returncode == 2, second.stderr[-3000:]
+    [line] = error_lines(second)
+    assert line.startswith("error: hydra.sweep.dir") and "in use by another sweep" in line and str(first.pid) in line
+    out, err = first.communicate(timeout=600)
+    assert first.returncode == 0, err[-3000:]
+    assert sorted(pd.read_csv(sweep / "results.csv")["seed"].unique()) == [0, 1, 2, 3, 4, 5]

@@ -12,6 +12,7 @@
   resolved config are skipped (``pipeline.tracking.begin_cell``), the rest run;
 - when the cells are done, ``pipeline.sweep`` and the task's ``summarise`` write the tables,
   figures, report and parent run from the cells of this sweep that finished; failed cells are named and the exit status is 1;
+- one sweep at a time per folder: a second launch into a folder a running sweep holds is refused;
 - Ctrl-C or SIGTERM ends the sweep's RUNNING runs as KILLED (joblib's workers are stopped);
   SIGTERM exits with 143;
 - under a submitit launcher, a cell that the cluster cancels, times out or kills is reported
@@ -79,6 +80,28 @@ def swept_keys(jobs: Sequence[Sequence[str]]) -> List[str]:
     return [key for key, seen in values.items() if len(seen) > 1 or counts[key] < len(jobs)]
 
 
+def _hold(sweep_dir: Path):
+    """An exclusive lock on the sweep folder (``.sweep.lock``, with the holder's pid), so that a second
+    sweep launched into it while this one runs is refused (one ``error:`` line, exit 2) instead of
+    both overwriting each other's summary. The kernel drops it when the process ends, even by SIGKILL."""
+    import fcntl
+    import os
+
+    handle = open(sweep_dir / ".sweep.lock", "a+")
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        handle.seek(0)
+        holder = handle.read().strip() or "?"
+        _error(f"hydra.sweep.dir = {str(sweep_dir)!r} is in use by another sweep (pid {holder}); wait for it to end, "
+               f"or give another hydra.sweep.dir", 2)
+    handle.seek(0)
+    handle.truncate()
+    handle.write(str(os.getpid()))
+    handle.flush()
+    return handle
+
+
 class ValidatingSweeper(BasicSweeper):
     def __init__(self, max_batch_size: Optional[int] = None, params: Optional[Dict[str, str]] = None,
                  resume: bool = False, sweep_id: str = "", swept: Optional[List[str]] = None,
@@ -139,6 +162,7 @@ class ValidatingSweeper(BasicSweeper):
         sweep_dir = Path(str(self.config.hydra.sweep.dir)).resolve()
         self._pin(sweep_dir, jobs)
         sweep_dir.mkdir(parents=True, exist_ok=True)
+        self._lock = _hold(sweep_dir)  # held until this process exits, however it exits
         OmegaConf.save(self.config, sweep_dir / "multirun.yaml")
         cancelled = self._cancel_earlier_jobs()
         if cancelled:

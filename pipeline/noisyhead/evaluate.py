@@ -59,7 +59,8 @@ def summarize(values: Tensor, level: float, name: str) -> dict[str, float]:
     B = values.numel()
     mean = values.mean().item()
     sd = values.std().item() if B > 1 else 0.0
-    half = NormalDist().inv_cdf(0.5 + level / 2) * sd / math.sqrt(B)
+    # one trial: no spread to estimate, so no interval (NaN), never a zero-width one
+    half = NormalDist().inv_cdf(0.5 + level / 2) * sd / math.sqrt(B) if B > 1 else math.nan
     out = {f"{name}_mean": mean, f"{name}_sd": sd, f"{name}_ci_low": mean - half, f"{name}_ci_high": mean + half}
     logs = values.log10() if bool((values > 0).all()) else None
     out[f"log10_{name}_mean"] = logs.mean().item() if logs is not None else math.nan

@@ -12,6 +12,9 @@ from pipeline.noisyhead.methods.noisyhead import horizons
 from pipeline.task import Memory
 
 
+TEST_COPIES = 3  # copies of the test prompts a cell holds at its peak (measured 2.2)
+
+
 def needed(cfg: DictConfig, const: Constants) -> dict[str, int]:
     """An estimate, in bytes, of the cell's largest tensors: ``prompts`` (features of every trial:
     raw, clipped and private training views, test prompts, and an attack's copies), ``chunk``
@@ -21,7 +24,9 @@ def needed(cfg: DictConfig, const: Constants) -> dict[str, int]:
     n_test = int(cfg.dataset.n_test)
     chunk = min(int(cfg.compute.chunk_trials), B)
     per_prompt = (2 * D + 1) * item  # q, v, y
-    prompts = B * (2 * N * per_prompt + N * D * item + n_test * per_prompt)
+    # the test prompts about TEST_COPIES times (drawn in float32, kept in the algebra's dtype, and the
+    # evaluation's temporaries: 2.2x measured at n_test = 2e6, trials = 2)
+    prompts = B * (2 * N * per_prompt + N * D * item + TEST_COPIES * n_test * per_prompt)
     attacked = cfg.attack.name != "none"
     if attacked:
         prompts += B * 2 * N * per_prompt
@@ -48,11 +53,14 @@ def needed(cfg: DictConfig, const: Constants) -> dict[str, int]:
 
 def estimate(cfg: DictConfig, const: Constants, device: str = "cpu") -> Memory:
     """``needed`` on ``device`` (where the prompts, the chunks' temporaries and the estimates live) with
-    the key to lower when it does not fit: the chunk when its temporary dominates, else the larger of
-    N and the trial count."""
+    the key to lower when it does not fit: the chunk when its temporary dominates, the test prompts'
+    count when they outweigh the training prompts, else the larger of N and the trial count."""
     need = needed(cfg, const)
+    n_test = int(cfg.dataset.n_test)
     if need["chunk"] > need["prompts"] + need["fits"]:
         key, value, advice = "compute.chunk_trials", cfg.compute.chunk_trials, "lower compute.chunk_trials"
+    elif TEST_COPIES * n_test > 2 * const.N + const.N * const.D / (2 * const.D + 1):  # test prompts outweigh training ones
+        key, value, advice = "dataset.n_test", n_test, f"lower dataset.n_test or trials (= {cfg.trials})"
     elif const.N >= int(cfg.trials):
         key, value, advice = "regime.N", const.N, f"lower regime.N or trials (= {cfg.trials})"
     else:

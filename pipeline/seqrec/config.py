@@ -7,11 +7,12 @@ entry point turns into one ``error: ...`` line and exit status 2.
 from __future__ import annotations
 
 import math
+from functools import lru_cache
 
 from omegaconf import DictConfig, ListConfig
 
 from pipeline.validation import ConfigError
-from pipeline.seqrec import clipping, data, distraction, models, reattention
+from pipeline.seqrec import clipping, data, distraction, memory, models, reattention, train
 from pipeline.seqrec.clipping.norms import MODES
 
 ACCOUNTANTS = ("rdp", "prv")  # Opacus accountants that calibrate DP-SGD's noise
@@ -109,12 +110,16 @@ def validate(cfg: DictConfig) -> None:
         raise ConfigError(f"seqrec.checkpoint must be true or false, got {t.get('checkpoint')!r}")
     if cfg.get("distraction") is not None:
         _distraction(cfg)
+    if p.get("accountant", "basic") != "basic":
+        raise ConfigError(f"privacy.accountant = {p.accountant!r} is NoisyHead's setting and a DPFormer run would "
+                          f"ignore it; DPFormer's accountant is seqrec.accountant ({' or '.join(ACCOUNTANTS)})")
     ds = cfg.dataset
     _choice(ds.get("name"), "dataset.name", data.DATASETS)
     data.check_L(ds.get("L"))
     if ds.name in ("amazon_games", "movielens"):
         data.filters(ds)
-        data.resolve(ds.get("path"))  # a missing file is refused here, before any run
+        data.interactions(ds)  # a missing, malformed or (after the filters) empty file is refused here, before any run
+    _calibrates(cfg)
 
 
 def _distraction(cfg: DictConfig) -> None:
@@ -143,3 +148,31 @@ def _distraction(cfg: DictConfig) -> None:
     if not ok:
         raise ConfigError(f"distraction.buckets must be two quantiles 0 < a < b < 1 (tail: the items below a, "
                           f"head: those above b), got {buckets!r}")
+
+
+@lru_cache(maxsize=256)
+def _calibration(eps: float, delta: float, batch_size: int, users: int, epochs: int, accountant: str,
+                 share: float) -> str | None:
+    """None if DP-SGD's noise multiplier can be calibrated for these settings, else the reason."""
+    cfg = DictConfig({"privacy": {"eps": eps, "delta": delta}, "clipping": {"name": "phantom"},
+                      "seqrec": {"batch_size": batch_size, "epochs": epochs, "accountant": accountant},
+                      "model": {"reattention": {"presence": "private", "eps_share": share}} if share else {}})
+    try:
+        train.plan(cfg, users)
+    except ValueError as err:
+        return str(err).strip().rstrip(".")
+    return None
+
+
+def _calibrates(cfg: DictConfig) -> None:
+    """Refuse an eps so small that no noise multiplier reaches it (Opacus's calibration fails)."""
+    if cfg.clipping.name == "none" or not math.isfinite(float(cfg.privacy.eps)):
+        return
+    re = cfg.model.get("reattention")
+    share = float(re.eps_share) if re is not None and re.get("presence") == "private" else 0.0
+    users, _ = memory.sizes(cfg.dataset)
+    why = _calibration(float(cfg.privacy.eps), float(cfg.privacy.delta), int(cfg.seqrec.batch_size), users,
+                       int(cfg.seqrec.epochs), str(cfg.seqrec.accountant), share)
+    if why is not None:
+        raise ConfigError(f"privacy.eps = {cfg.privacy.eps!r} cannot be reached by DP-SGD with these settings "
+                          f"({why}); raise privacy.eps or privacy.delta")

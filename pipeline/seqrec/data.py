@@ -23,7 +23,9 @@ Bad input raises :class:`pipeline.validation.ConfigError` naming the key and the
 from __future__ import annotations
 
 import io
+import logging
 import os
+from functools import lru_cache
 from pathlib import Path
 
 import numpy as np
@@ -31,6 +33,8 @@ import numpy as np
 from pipeline.seqrec import synthetic
 from pipeline.seqrec.sequences import Sequences, check_L, split  # noqa: F401  (data.Sequences, data.split)
 from pipeline.validation import ConfigError
+
+log = logging.getLogger(__name__)
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 FORMATS = ("auto", "ratings", "sasrec")  # ratings: user::item::rating::timestamp; sasrec: user item
@@ -141,12 +145,16 @@ def time_order(users: np.ndarray, items: np.ndarray, times: np.ndarray | None):
 def k_core(users: np.ndarray, items: np.ndarray, k: int):
     """Drop users and items with fewer than k interactions, repeatedly, until none is left.
 
-    Order-preserving (a mask); counts are of interactions, repeats included."""
+    Order-preserving (a mask); counts are of interactions, repeats included. Counted over dense
+    ids, so a huge id in a file costs nothing."""
+    _, u = np.unique(users, return_inverse=True)
+    _, i = np.unique(items, return_inverse=True)
+    u, i = u.reshape(-1), i.reshape(-1)
     keep = np.ones(len(users), dtype=bool)
     while True:
-        u_count = np.bincount(users[keep], minlength=users.max() + 1)
-        i_count = np.bincount(items[keep], minlength=items.max() + 1)
-        drop = keep & ((u_count[users] < k) | (i_count[items] < k))
+        u_count = np.bincount(u[keep], minlength=u.max() + 1)
+        i_count = np.bincount(i[keep], minlength=i.max() + 1)
+        drop = keep & ((u_count[u] < k) | (i_count[i] < k))
         if not drop.any():
             return users[keep], items[keep]
         keep &= ~drop
@@ -156,11 +164,11 @@ def most_popular(users: np.ndarray, items: np.ndarray, top: int):
     """Keep only the interactions with the ``top`` most frequent items (ties: the smaller id);
     order-preserving. A CPU-scale reduction of the item catalogue (the item count M sets the cost
     of every full-softmax step)."""
-    counts = np.bincount(items)
-    rank = np.lexsort((np.arange(len(counts)), -counts))  # most frequent first
-    keep = np.zeros(len(counts), dtype=bool)
+    ids, dense, counts = np.unique(items, return_inverse=True, return_counts=True)  # ids ascending
+    rank = np.lexsort((np.arange(len(ids)), -counts))  # most frequent first, ties: the smaller id
+    keep = np.zeros(len(ids), dtype=bool)
     keep[rank[:top]] = True
-    m = keep[items]
+    m = keep[dense.reshape(-1)]
     return users[m], items[m]
 
 
@@ -188,21 +196,49 @@ def filters(dataset_cfg) -> tuple[int | None, int | None]:
     return values[0], values[1]
 
 
-def load_file(dataset_cfg, L: int) -> Sequences:
-    """A real data set: read, time-order, filter (``k_core``), re-index, split."""
-    check_L(L)
-    path = resolve(dataset_cfg.get("path"))
-    users, items, times = read_interactions(path, dataset_cfg.get("format", "auto"))
+MIN_INTERACTIONS = 3  # a user's training part, validation item and test item (leave-last-out)
+
+
+@lru_cache(maxsize=4)
+def _interactions(path: str, mtime_ns: int, fmt: str, top: int | None, k: int | None, key: str):
+    """A file's interactions read, time-ordered, filtered and re-indexed: (users, items, n_items,
+    repeated lines). Cached per file version and filters: the preflight and the run read it once."""
+    users, items, times = read_interactions(Path(path), fmt, key)
+    repeats = len(users) - len(np.unique(np.stack([users, items], 1), axis=0))
     users, items = time_order(users, items, times)
-    top, k = filters(dataset_cfg)
     if top is not None:
         users, items = most_popular(users, items, top)
     if k is not None:
         users, items = k_core(users, items, k)
         if len(users) == 0:
-            raise ConfigError(f"dataset.k_core = {k} leaves no interactions in {str(path)!r} (empty data set)")
+            raise ConfigError(f"dataset.k_core = {k} leaves no interactions in {path!r} (empty data set)")
     users, items, n_items = reindex(users, items)
-    return split(users, items, n_items, L, name=dataset_cfg.name)
+    if not (np.bincount(users) >= MIN_INTERACTIONS).any():
+        raise ConfigError(f"{key} = {path!r}: no user has the {MIN_INTERACTIONS} interactions a leave-last-out "
+                          f"split needs (training, validation and test item){' after the filters' if top or k else ''}")
+    users.setflags(write=False)
+    items.setflags(write=False)
+    return users, items, n_items, repeats
+
+
+def interactions(dataset_cfg, key: str = "dataset.path"):
+    """(users 0..U-1, items 1..M, M, repeated lines) of ``dataset_cfg``'s file after its filters;
+    refuses (ConfigError) a file that leaves no user with a test item."""
+    path = resolve(dataset_cfg.get("path"), key)
+    top, k = filters(dataset_cfg)
+    return _interactions(str(path), path.stat().st_mtime_ns, str(dataset_cfg.get("format", "auto")), top, k, key)
+
+
+def load_file(dataset_cfg, L: int) -> Sequences:
+    """A real data set: read, time-order, filter (``max_items``, ``k_core``), re-index, split.
+    Repeated (user, item) lines are kept as repeated interactions (a user may buy or rate an item
+    again; SASRec's files have them) and counted in the log."""
+    check_L(L)
+    users, items, n_items, repeats = interactions(dataset_cfg)
+    if repeats:
+        log.warning("%s: %d repeated (user, item) line(s), kept as repeated interactions", dataset_cfg.get("path"),
+                    repeats)
+    return split(users.copy(), items.copy(), n_items, L, name=dataset_cfg.name)
 
 
 def load(dataset_cfg, L: int, seed: int) -> Sequences:

@@ -6,18 +6,17 @@ cells a joblib sweep runs at once).
 The full-softmax scores dominate: a step holds B' x L x M float32 scores about 3.5 times (the
 logits, their softmax, its gradient, and temporaries: the CPU step benchmark measured 3.3 to 3.9
 copies at M = 23,715, ``tests/test_preflight.py`` checks the bound against a measured step), B' the
-expected batch B plus four of its standard deviations (Poisson sampling); evaluation holds ``seqrec.eval_batch`` x M twice; the parameters four times
+expected batch B plus four of its standard deviations (Poisson sampling); evaluation holds ``seqrec.eval_batch`` x M twice; a Transformer's attention, per block, the
+users x heads x L x L logits and weights with their gradients (four copies; what matters at a long
+L); the parameters four times
 (values, gradients, Adam's two moments), and Opacus's per-sample engine one gradient per user.
-The sizes are upper bounds read before the data are built: the synthetic generator's
-``n_users``/``n_items``, or a file's distinct users and items (at most ``dataset.max_items``)."""
+The sizes are read before the data are built: the synthetic generator's ``n_users``/``n_items``
+(upper bounds), or a file's users and items after its filters."""
 
 from __future__ import annotations
 
 import math
-from functools import lru_cache
-from pathlib import Path
 
-import numpy as np
 from omegaconf import DictConfig
 
 from pipeline.seqrec import data
@@ -25,22 +24,17 @@ from pipeline.task import Memory
 
 FLOAT = 4  # bytes: every training tensor is float32
 SCORE_COPIES = 3.5  # B' x L x M float32 tensors a step holds at its peak
-
-
-@lru_cache(maxsize=8)
-def _file_sizes(path: str, mtime_ns: int, fmt: str) -> tuple[int, int]:
-    users, items, _ = data.read_interactions(Path(path), fmt)
-    return int(np.unique(users).size), int(np.unique(items).size)
+ATTENTION_COPIES = 4  # per block: the logits, the weights, their gradients (and the causal mask, a quarter as large)
 
 
 def sizes(ds: DictConfig) -> tuple[int, int]:
-    """(users, items), upper bounds of the data set's, known before it is built."""
+    """(users, items) of the data set, known before it is built: the synthetic generator's
+    ``n_users``/``n_items``, or the file's after its filters (``data.interactions``, cached: the
+    run reads the same)."""
     if ds.name == "synthetic_longtail":
         return int(ds.n_users), int(ds.n_items)
-    path = data.resolve(ds.get("path"))
-    users, items = _file_sizes(str(path), path.stat().st_mtime_ns, str(ds.get("format", "auto")))
-    top = ds.get("max_items")
-    return users, min(items, int(top)) if top else items
+    users, _, n_items, _ = data.interactions(ds)
+    return int(users.max()) + 1, int(n_items)
 
 
 def parameters(m: DictConfig, M: int, L: int) -> int:
@@ -62,9 +56,14 @@ def estimate(cfg: DictConfig, device: str) -> Memory:
         "evaluation scores": 2 * FLOAT * min(int(cfg.seqrec.eval_batch), users) * (M + 1),
         "parameters and Adam": 4 * FLOAT * n,
     }
+    if cfg.model.arch == "transformer":  # per block, the (users x heads x L x L) logits and weights a step keeps
+        rows = max(batch, min(int(cfg.seqrec.eval_batch), users))
+        parts["attention"] = ATTENTION_COPIES * FLOAT * rows * int(cfg.model.heads) * L * L * int(cfg.model.blocks)
     if cfg.clipping.name == "per_sample":
         parts["per-user gradients"] = FLOAT * batch * n
-    if parts["evaluation scores"] > parts["batch scores"]:
+    if parts.get("attention", 0) > max(parts["batch scores"], parts["evaluation scores"]):
+        key, value, advice = "dataset.L", L, "lower dataset.L (attention grows with its square)"
+    elif parts["evaluation scores"] > parts["batch scores"]:
         key, value, advice = "seqrec.eval_batch", cfg.seqrec.eval_batch, "lower seqrec.eval_batch"
     elif L > B:
         key, value, advice = "dataset.L", L, f"lower dataset.L or seqrec.batch_size (= {B})"
