@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import base64
 import html
+import re
 import math
 from pathlib import Path
 from typing import Sequence
@@ -101,8 +102,21 @@ def _compute_value(value) -> str:
     return f"{value:.3g}" if isinstance(value, float) else str(value)
 
 
+VOLATILE = ("<!--volatile-->", "<!--/volatile-->")  # what differs from one rebuild to the next (run ids, timings)
+
+
+def stable(page: str) -> str:
+    """``page`` without its volatile parts (the MLflow run ids and the cells' timings, marked by
+    ``write_html``): the copy in ``report.dir`` that DVC hashes, byte-identical from one rebuild of
+    an unchanged stage to the next. The sweep folder's and MLflow's copy keep everything."""
+    start, end = map(re.escape, VOLATILE)
+    return re.sub(f"{start}.*?{end}", "<p>(the cells' MLflow run ids and timings: in the sweep folder's report.html "
+                                      "and the parent run's artifacts)</p>", page, flags=re.S)
+
+
 def write_html(path: Path, title: str, command: str, config_yaml: str, table: pd.DataFrame,
-               figures: Sequence[Path], runs: Sequence[tuple[str, str, dict]], parent: str | None = None) -> Path:
+               figures: Sequence[Path], runs: Sequence[tuple[str, str, dict]], parent: str | None = None,
+               caption: str = "mean (sd) across trials, one row per cell in sweep order") -> Path:
     """``report.html``: self-contained (every figure inlined), readable without a server. ``runs``:
     per cell, its name, MLflow run id and what it ran on (``Cell.finished``'s ``compute``): the
     cells table shows the device (its name, and the torch device: ``cuda:0``), the cell's
@@ -117,9 +131,9 @@ def write_html(path: Path, title: str, command: str, config_yaml: str, table: pd
         f"<h1>{esc(title)}</h1>",
     ]
     if parent:
-        parts.append(f"<p>MLflow parent run: <code>{esc(parent)}</code></p>")
+        parts.append(f"{VOLATILE[0]}<p>MLflow parent run: <code>{esc(parent)}</code></p>{VOLATILE[1]}")
     parts += [f"<h2>Command</h2><pre>{esc(command)}</pre>",
-              "<h2>Results</h2><p>mean (sd) across trials, one row per cell in sweep order</p>",
+              f"<h2>Results</h2><p>{esc(caption)}</p>",
               table.to_html(index=False, escape=True, border=0, classes="results"),
               "<h2>Figures</h2>"]
     for fig in figures:
@@ -127,14 +141,14 @@ def write_html(path: Path, title: str, command: str, config_yaml: str, table: pd
         parts.append(f"<figure><img alt='{esc(Path(fig).stem)}' src='data:image/png;base64,{data}'>"
                      f"<figcaption>{esc(Path(fig).name)}</figcaption></figure>")
     shown = [k for k in COMPUTE if any(compute.get(k) is not None for _, _, compute in runs)]
-    parts.append("<h2>Cells</h2><table class='runs'><tr><th>cell</th><th>MLflow run id</th>"
+    parts.append(f"<h2>Cells</h2>{VOLATILE[0]}<table class='runs'><tr><th>cell</th><th>MLflow run id</th>"
                  + "".join(f"<th>{esc(COMPUTE[k])}</th>" for k in shown) + "</tr>")
     for name, run_id, compute in runs:
         where = {**compute, "device_name": f"{compute.get('device_name', '')} ({compute['device']})"
                  if compute.get("device") else compute.get("device_name")}
         parts.append(f"<tr><td>{esc(name)}</td><td><code>{esc(run_id)}</code></td>"
                      + "".join(f"<td>{esc(_compute_value(where.get(k)))}</td>" for k in shown) + "</tr>")
-    parts += ["</table>", f"<h2>Config</h2><pre>{esc(config_yaml)}</pre>", "</body></html>"]
+    parts += [f"</table>{VOLATILE[1]}", f"<h2>Config</h2><pre>{esc(config_yaml)}</pre>", "</body></html>"]
     path = Path(path)
     path.write_text("\n".join(parts), encoding="utf-8")
     return path

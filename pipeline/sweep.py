@@ -68,13 +68,17 @@ def summarise(config: DictConfig, sweep_id: str, sweep_dir: Path, cells: Cells) 
 
 def publish(config: DictConfig, artifacts: Sequence[str | Path], metrics: dict) -> None:
     """Copy the sweep's files to ``report.dir`` (if set) under their names, with ``metrics.json``
-    (``metrics``, for ``dvc metrics show``): the DVC stages' outputs."""
+    (``metrics``, for ``dvc metrics show``): the DVC stages' outputs. A report is copied without its
+    run ids and timings (``report.stable``), so that rebuilding an unchanged stage changes no byte."""
     if not config.report.dir:
         return
     out = Path(config.report.dir)
     out.mkdir(parents=True, exist_ok=True)
     for path in artifacts:
-        shutil.copyfile(path, out / Path(path).name)
+        if Path(path).suffix == ".html":  # the report without run ids and timings: reproducible bytes
+            (out / Path(path).name).write_text(reporting.stable(Path(path).read_text(encoding="utf-8")), encoding="utf-8")
+        else:
+            shutil.copyfile(path, out / Path(path).name)
     (out / "metrics.json").write_text(json.dumps(metrics, indent=2, sort_keys=True) + "\n")
 
 

@@ -85,8 +85,10 @@ def test_collect_returns_cells_in_grid_order_not_folder_order(tmp_path):
     jobs = [[f"regime.N={n}"] for n in range(20, 32)]  # job folders 0..11: lexicographic would put 10, 11 after 1
     for i, job in enumerate(jobs):
         (tmp_path / str(i)).mkdir()
+        (tmp_path / str(i) / "results.csv").write_text(f"N\n{20 + i}\n")
         tracking.write_record(tmp_path / str(i), {"run_id": f"r{i}", "status": "FINISHED", "sweep": "s",
-                                                  "overrides": job})
+                                                  "overrides": job,
+                                                  "results_sha256": tracking._sha256(tmp_path / str(i) / "results.csv")})
     cells = sweep.collect(tmp_path, "s", jobs)
     assert [r["run_id"] for r in cells.done] == [f"r{i}" for i in range(12)]
 
@@ -105,9 +107,59 @@ def test_experiment_opens_as_a_machine_learning_experiment(tmp_path):
 def test_series_at_one_x_are_dodged_symmetrically():
     x = pd.Series([100.0, 1000.0])
     xs = np.array([100.0, 1000.0, 10000.0])
-    lin = [plot._dodged(x, i, 3, xs, log=False) for i in range(3)]
+    lin = [plot.dodged(x, [i, i], [3, 3], xs, log=False) for i in range(3)]
     assert lin[0][0] < lin[1][0] == 100.0 < lin[2][0] and lin[1][0] - lin[0][0] == pytest.approx(lin[2][0] - lin[1][0])
     assert lin[2][0] - lin[0][0] < 900  # within the gap to the next x
-    log = [plot._dodged(x, i, 2, xs, log=True) for i in range(2)]
+    log = [plot.dodged(x, [i, i], [2, 2], xs, log=True) for i in range(2)]
     assert log[0][1] / 1000 == pytest.approx(1000 / log[1][1]) and log[0][1] < 1000 < log[1][1]
-    assert (plot._dodged(x, 0, 1, xs, log=False) == x.to_numpy()).all()
+    assert (plot.dodged(x, [0, 0], [1, 1], xs, log=False) == x.to_numpy()).all()
+
+
+def test_a_point_alone_at_its_x_is_drawn_where_it_is(tmp_path):
+    """The default run's single N = 1000 (two methods, one per panel) and a sweep's N = 500 where
+    only one series has a point: no shift (before: 975 and 1025, 487 and 512)."""
+    import matplotlib.pyplot as plt
+    from omegaconf import OmegaConf
+
+    from pipeline.noisyhead import plot as nh_plot
+
+    drawn = []
+    real = plt.Axes.errorbar
+
+    def spy(self, x, y, *a, **k):
+        drawn.append((k.get("label"), list(np.asarray(x, dtype=float))))
+        return real(self, x, y, *a, **k)
+
+    rows = [{"method": m, "N": n, "excess_risk_mean": 1.0 + i, "excess_risk_sd": 0.1, "log10_excess_risk_mean": 0.0,
+             "log10_excess_risk_sd": 0.1, "eps": 0.2, "T": 100, "coupling": ""}
+            for i, (m, n) in enumerate([("gd", 500), ("gd", 1000), ("noisyhead", 1000), ("noisyhead", 1500)])]
+    spec = OmegaConf.create({"y": "excess_risk", "x": "N", "hue": None, "facet": None, "k_sd": 1.0,
+                             "error_bars": "sd", "yscale": "linear", "methods": None, "title": None, "colors": None})
+    plt.Axes.errorbar = spy
+    try:
+        nh_plot.figure(pd.DataFrame(rows), spec, tmp_path / "f.png")
+    finally:
+        plt.Axes.errorbar = real
+    at = dict(drawn)
+    assert at["gd"][0] == 500 and at["noisyhead"][1] == 1500  # alone at their x: unshifted
+    assert at["gd"][1] < 1000 < at["noisyhead"][0]  # the two at N = 1000: spread around it
+
+
+def test_a_method_has_one_colour_in_every_figure():
+    assert plot.color("noisyhead") == plot.color("noisyhead") != plot.color("gd")
+    assert plot.color("transformer (non-private)") == plot.color("transformer")
+    assert plot.color("some_new_method") == plot.color("some_new_method")  # fixed, from the name
+
+
+def test_the_report_dvc_hashes_is_the_same_bytes_whatever_the_run_ids_and_timings(tmp_path):
+    table = pd.DataFrame({"N": [40], "noisyhead": ["0.1 (0.01)"]})
+    pages = []
+    for i, (run_id, seconds) in enumerate((("aaa111", 1.5), ("bbb222", 9.25))):
+        page = report.write_html(tmp_path / f"r{i}.html", "t", "python -m pipeline", "seed: 0\n", table, [],
+                                 [("regime.N=40", run_id, {"device": "cpu", "device_name": "x", "seconds": seconds})],
+                                 parent=f"parent{i}", caption="excess risk, mean (sd) across B = 2 trials")
+        pages.append(page.read_text())
+    assert pages[0] != pages[1] and "aaa111" in pages[0]  # the sweep folder's copy keeps them
+    a, b = report.stable(pages[0]), report.stable(pages[1])
+    assert a == b and "aaa111" not in a and "parent0" not in a
+    assert "excess risk, mean (sd) across B = 2 trials" in a and "<h2>Config</h2>" in a

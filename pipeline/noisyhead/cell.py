@@ -128,7 +128,8 @@ def run(cfg: DictConfig, const: config.Constants) -> Path:
     job.finished(active.info.run_id, {"device": str(dev), "device_name": device.name(dev), "seconds": seconds,
                                       "peak_memory_gb": peak})
     log.info("%s\n%s", name, summary(results))
-    log.info("wrote %s%s", csv, "".join(f", {f}" for f in figs))
+    log.info("wrote %s%s; MLflow run %s: %s", csv, "".join(f", {f}" for f in figs), active.info.run_id,
+             tracking.ui_address(cfg, active.info.run_id))
     line = progress(sweep)
     if line:
         log.info("%s", line)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import textwrap
 from pathlib import Path
 
-from pipeline.plot import _dodged, save, symbol  # first: it sets matplotlib's Agg backend
+from pipeline.plot import color, dodged, save, symbol  # first: it sets matplotlib's Agg backend
 
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
@@ -84,9 +84,13 @@ def figure(df: pd.DataFrame, spec: DictConfig, path: Path, labels: dict[str, str
     panels = sorted(df[facet].unique()) if facet else [None]
     fig, axes = plt.subplots(1, len(panels), figsize=(5.0 * len(panels), 4.0), squeeze=False)
     key = hue or "series"
-    palette = sns.color_palette("viridis" if hue else "tab10", df[key].nunique())
     values = sorted(df[key].unique())
-    colors = dict(zip(values, palette))
+    if hue:  # colours encode the hue's value (eps, ...): a sequential palette
+        colors = dict(zip(values, sns.color_palette("viridis", len(values))))
+    else:  # colours encode the method: the same in every figure (pipeline.plot.COLORS)
+        method = dict(zip(df["series"], df["method"]))
+        shared = pd.Series(method).value_counts()
+        colors = {v: color(method[v] if shared[method[v]] == 1 else v) for v in values}
     for name, colour in (spec.get("colors") or {}).items():  # a preset's colours, by method name or legend text
         for series in (name, labels.get(name, name)):
             if series in colors:
@@ -94,10 +98,12 @@ def figure(df: pd.DataFrame, spec: DictConfig, path: Path, labels: dict[str, str
     xlog = x == "N" and df[x].nunique() > 2 and df[x].max() / max(df[x].min(), 1e-300) >= 20
     for ax, panel in zip(axes[0], panels):
         sub = df if panel is None else df[df[facet] == panel]
+        at_x = {v: sorted(set(s), key=values.index) for v, s in sub.groupby(x)[key]}  # the series at each x
         for value, g in sub.groupby(key):
             g = g.sort_values(x)
             label = f"{symbol(hue)} = {value:g}" if hue else value
-            at = _dodged(g[x], values.index(value), len(values), df[x].to_numpy(), xlog)
+            at = dodged(g[x], [at_x[v].index(value) for v in g[x]], [len(at_x[v]) for v in g[x]],
+                        sub[x].to_numpy(), xlog)
             ax.errorbar(at, g["y"], yerr=[g["lo"], g["hi"]], marker="o", ms=4, capsize=3, label=label,
                         color=colors[value])
         ax.set_xlabel(AXES.get(x, symbol(x)))

@@ -21,6 +21,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from pipeline import device, tracking
+from pipeline.sweep import progress
 from pipeline.seqrec import checkpoint, data, evaluate, plot, train
 
 log = logging.getLogger(__name__)
@@ -127,4 +128,9 @@ def run(cfg: DictConfig) -> Path:
     checkpoint.remove(saved)  # FINISHED: the results stay, the optimizer state goes
     shown = results[["method", "split", f"ndcg{k}", f"hit{k}"]].to_string(index=False, float_format="%.3f")
     log.info("%s (sigma = %.4g, eps spent = %.4g)\n%s", name, run_plan.sigma, run_plan.eps_spent, shown)
+    log.info("wrote %s, %s, %s; MLflow run %s: %s", csv, curves, fig, active.info.run_id,
+             tracking.ui_address(cfg, active.info.run_id))
+    line = progress(job.sweep)
+    if line:
+        log.info("%s", line)
     return csv

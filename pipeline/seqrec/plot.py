@@ -11,7 +11,9 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 
-from pipeline.plot import save  # noqa: E402
+from matplotlib.ticker import MaxNLocator  # noqa: E402
+
+from pipeline.plot import color, save  # noqa: E402
 from pipeline.seqrec.evaluate import BASELINES  # noqa: E402
 
 
@@ -30,6 +32,8 @@ def curves(history, path: Path, title: str = "", k: int = 10) -> Path:
     ax2.set_xlabel("epoch")
     ax2.set_ylabel("validation metric (%)")
     ax2.grid(alpha=0.3)
+    for ax in (ax1, ax2):
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # epochs are whole
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     return save(fig, path, dpi=120)
@@ -45,7 +49,8 @@ def sweep_figure(results: pd.DataFrame, path: Path, k: int = 10) -> Path:
     for ax, key, metric in zip(axes, (f"ndcg{k}", f"hit{k}"), (f"NDCG@{k}", f"HIT@{k}")):
         for (method, clip), g in model_rows.groupby(["method", "clipping"]):
             g = g.groupby("eps")[key].mean()
-            ax.plot([where[e] for e in g.index], g.values, marker="o", label=label(method, clip))
+            ax.plot([where[e] for e in g.index], g.values, marker="o", label=label(method, clip), color=color(method),
+                    ls=":" if clip == "none" else "-")
         ax.set_xticks(range(len(eps)), ["∞" if e == float("inf") else f"{e:g}" for e in eps])
         pop = test[test["method"] == "popular"][key]
         if len(pop):
@@ -71,6 +76,12 @@ def label(method: str, clipping: str) -> str:
     return f"{method} ({NON_PRIVATE})" if clipping == "none" else method
 
 
+def _legend_columns(labels, width_inches: float) -> int:
+    """As many legend columns as fit the figure's width (about 0.06 inch a character at 8 pt, plus the handle)."""
+    widest = max((len(str(t)) for t in labels), default=1)
+    return max(1, min(len(labels), int(width_inches / (0.06 * widest + 0.5))))
+
+
 def curves_figure(curves: pd.DataFrame, path: Path, k: int = 10) -> Path:
     """Figure 6: validation NDCG@k and HIT@k per epoch, mean and a +-1 sd band over seeds, one line
     per model; one column of panels per eps."""
@@ -82,19 +93,23 @@ def curves_figure(curves: pd.DataFrame, path: Path, k: int = 10) -> Path:
             ax = axes[i, j]
             for (method, clip, lr, bs), g in sub.groupby(["method", "clipping", "lr", "batch_size"], sort=False):
                 stats = g.dropna(subset=[key]).groupby("epoch")[key].agg(["mean", "std", "count"])
-                line, = ax.plot(stats.index, stats["mean"], marker="o", ms=2.5, label=label(method, clip))
+                line, = ax.plot(stats.index, stats["mean"], marker="o", ms=2.5, label=label(method, clip),
+                                color=color(method), ls=":" if clip == "none" else "-")
                 sd = stats["std"].fillna(0)
                 ax.fill_between(stats.index, stats["mean"] - sd, stats["mean"] + sd, color=line.get_color(), alpha=0.2)
             ax.set_ylabel(f"validation {metric} (%)")
             ax.grid(alpha=0.3)
+            ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # epochs are whole
             if i == 0:
                 ax.set_title(_eps_text(e), fontsize=10)
             else:
                 ax.set_xlabel("epoch")
     handles, labels = axes[0, 0].get_legend_handles_labels()
-    fig.legend(handles, labels, loc="lower center", ncol=min(len(labels), 5), fontsize=8, frameon=False)
+    ncol = _legend_columns(labels, 4.2 * len(eps))
+    rows = -(-len(labels) // ncol)
+    fig.legend(handles, labels, loc="lower center", ncol=ncol, fontsize=8, frameon=False)
     fig.suptitle("Validation metrics per epoch (mean ± 1 sd over seeds)", fontsize=10)
-    fig.tight_layout(rect=(0, 0.06, 1, 1))
+    fig.tight_layout(rect=(0, 0.035 * rows + 0.02, 1, 1))  # room for the legend's rows, inside the figure
     return save(fig, path, dpi=120)
 
 
@@ -136,9 +151,10 @@ def attention_figure(results: pd.DataFrame, path: Path) -> Path:
     for (method, clip), g in test.groupby(["method", "clipping"], sort=False):
         s = g.groupby("eps")["attention_relevant"].agg(["mean", "std"])
         ax.errorbar([where[e] for e in s.index], s["mean"], yerr=s["std"].fillna(0), marker="o", capsize=3,
-                    label=label(method, clip))
+                    label=label(method, clip), color=color(method), ls=":" if clip == "none" else "-")
     chance = test.groupby("eps")["attention_uniform"].mean()
-    ax.plot([where[e] for e in chance.index], chance.values, ls="--", color="grey", label="uniform attention")
+    ax.plot([where[e] for e in chance.index], chance.values, ls="--", color="grey", marker="_", ms=14,
+            label="uniform attention")  # the marker shows it even at a single eps
     ax.set_xticks(range(len(eps)), ["∞" if e == float("inf") else f"{e:g}" for e in eps])
     ax.set_xlabel("ε")
     ax.set_ylabel("attention mass on relevant positions")

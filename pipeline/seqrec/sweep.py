@@ -243,10 +243,17 @@ def summarise(config: DictConfig, sweep_id: str, sweep_dir: Path, cells: sweep.C
         figures.append(plot.attention_figure(results, sweep_dir / "attention.png"))
     artifacts += figures
     name = config.get("experiment_name") or "seqrec sweep"
-    config_yaml = OmegaConf.to_yaml({key: v for key, v in config.items() if key != "hydra"}, resolve=True)
+    config_yaml = OmegaConf.to_yaml(own_config(config), resolve=True)
     runs = [(" ".join(r.get("overrides") or []), r["run_id"], r.get("compute") or {}) for r in cells.done]
+    if picks is None:
+        caption = (f"test NDCG@{k} and HIT@{k} (%), mean (sd) over seeds: one row per model, one column per eps "
+                   f"(table.md holds the same, and the paired gains)")
+    else:
+        caption = (f"per model and eps: the (learning rate, batch size) with the best mean validation NDCG@{k}, its "
+                   f"validation and test NDCG@{k} (%), means over seeds; beside it the best-on-test setting (the "
+                   f"paper's protocol, for comparison only)")
     page = reporting.write_html(sweep_dir / "report.html", f"{name}: {len(cells.done)} cells", sweep.command(),
-                                config_yaml, shown, figures, runs)
+                                config_yaml, shown, figures, runs, caption=caption)
     artifacts.append(page)
     metrics = {f"{row.model.replace(f' ({NON_PRIVATE})', '.nonprivate')}.eps_{eps_label(row.eps)}.test_ndcg{k}":
                row._asdict()[f"ndcg{k}_mean"]
@@ -259,3 +266,17 @@ def summarise(config: DictConfig, sweep_id: str, sweep_dir: Path, cells: sweep.C
     sweep.publish(config, artifacts, {"cells": len(cells.done), **metrics})
 
     log.info("sweep of %d cells: wrote %s", len(cells.done), ", ".join(str(p) for p in artifacts))
+
+
+NOT_SEQREC = ("trials", "oracle", "plot", "evaluate", "regime", "attack", "method")  # NoisyHead's keys
+
+
+def own_config(config) -> dict:
+    """The config a DPFormer report shows: without Hydra's keys and NoisyHead's (``trials``, ``plot``,
+    ``privacy.accountant``, NoisyHead's ``compute`` keys, ...), which a DPFormer run does not read."""
+    shown = {key: OmegaConf.to_container(v, resolve=True) if OmegaConf.is_config(v) else v
+             for key, v in config.items() if key not in ("hydra", *NOT_SEQREC)}
+    shown.get("privacy", {}).pop("accountant", None)
+    for key in ("dtype", "chunk_trials", "threads"):
+        shown.get("compute", {}).pop(key, None)
+    return shown
