@@ -153,6 +153,7 @@ def _start_and_wait_inside_run(cmd, store, timeout=120):
 
     from conftest import ROOT
 
+    runs(store)  # create the store's tables here, first: two processes creating them at once break it
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
     deadline = time.time() + timeout

@@ -82,6 +82,7 @@ CELL = ["experiment=dpformer_ci", "dataset.n_users=80", "dataset.L=10", "seqrec.
 
 
 def launch(args, folder: Path, store: str, conf: str) -> subprocess.Popen:
+    runs(store)  # create the store's tables before the sweep does: two processes creating them at once break it
     env = dict(os.environ, PYTHONWARNINGS="ignore", SLURM_CONF=conf)
     cmd = [sys.executable, "-m", "pipeline", *SLURM, *args, f"hydra.sweep.dir={folder}",
            f"mlflow.tracking_uri={store}", "-m"]
