@@ -165,7 +165,13 @@ def _start_and_wait_inside_run(cmd, store, timeout=120):
             continue
         if found and found[0].info.status == "RUNNING" and found[0].data.params:
             return proc
-    raise AssertionError(f"no RUNNING run within {timeout} s: {proc.poll()}")
+    import os
+    import signal
+
+    if proc.poll() is None:  # never leave a run without end behind
+        os.killpg(proc.pid, signal.SIGKILL)
+    out, err = proc.communicate()
+    raise AssertionError(f"no RUNNING run within {timeout} s (exit {proc.returncode}): {err[-2000:]}")
 
 
 LONG = {"noisyhead": ["regime=overparam", "trials=400"],
@@ -182,7 +188,11 @@ def test_ctrl_c_ends_a_single_run_killed_with_130_and_one_line(run_cli, task):
            f"hydra.run.dir={run_cli.tmp / 'run'}"]
     proc = _start_and_wait_inside_run(cmd, run_cli.store)
     os.kill(proc.pid, signal.SIGINT)
-    out, err = proc.communicate(timeout=120)
+    try:
+        out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
     assert proc.returncode == 130, err[-3000:]
     assert "Traceback" not in err, err[-3000:]
     assert [ln for ln in err.splitlines() if ln.startswith("error:")] == \
