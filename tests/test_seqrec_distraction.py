@@ -21,9 +21,10 @@ M, L = 12, 6
 
 def rows(seed=0, users=40):
     g = torch.Generator().manual_seed(seed)
-    popular = torch.distributions.Categorical(probs=torch.linspace(1, 0.05, M))  # item 1 most held
-    out = torch.stack([popular.sample((L + 1,)) + 1 for _ in range(users)])
+    probs = torch.linspace(1, 0.05, M)  # item 1 most held
+    out = torch.stack([torch.multinomial(probs, L + 1, replacement=True, generator=g) + 1 for _ in range(users)])
     out[:5, :3] = 0  # some left padding
+    out[out == M] = M - 1  # item M held by nobody: its count is 0, not floored to 1
     return out
 
 
@@ -38,7 +39,7 @@ def test_buckets_split_items_by_how_many_users_hold_them():
     r = rows()
     bucket, counts = distraction.item_buckets(r, M, [0.5, 0.9])
     brute = torch.tensor([len({int(u) for u in (r == i).any(1).nonzero().flatten()}) for i in range(M + 1)])
-    assert torch.equal(counts[1:], brute[1:])
+    assert torch.equal(counts[1:], brute[1:]) and counts[M] == 0
     assert bucket[0] == -1
     order = sorted(range(1, M + 1), key=lambda i: (int(brute[i]), i))  # least held first, ties by id
     expect = [0] * 6 + [1] * 5 + [2] * 1  # shares (rank + 0.5) / 12 below 0.5: 6 items; below 0.9: 5 more

@@ -62,7 +62,7 @@ def item_buckets(rows: torch.Tensor, n_items: int, quantiles) -> tuple[torch.Ten
     users holding each item: (n_items + 1,)). Items are ranked by how many training users hold
     them (ties by id); the lowest ``quantiles[0]`` share is the tail, the highest 1 - ``quantiles[1]``
     the head."""
-    counts = (reattention.item_presence(rows, n_items) * rows.shape[0]).round().long()
+    counts = reattention.item_counts(rows, n_items)
     counts[0] = 0
     order = torch.argsort(counts[1:], stable=True) + 1  # least held first
     rank = torch.empty(n_items + 1, dtype=torch.long)

@@ -110,6 +110,14 @@ def presence_sensitivity(rows: torch.Tensor, n_items: int) -> float:
     return math.sqrt(min(rows.shape[1], n_items))
 
 
+def item_counts(rows: torch.Tensor, n_items: int) -> torch.Tensor:
+    """(n_items + 1,) long: how many users' rows hold each item (a user counts once per item); [0]
+    counts the rows with padding."""
+    user = torch.arange(rows.shape[0]).repeat_interleave(rows.shape[1])
+    pairs = torch.unique(user * (n_items + 1) + rows.flatten())
+    return torch.bincount(pairs % (n_items + 1), minlength=n_items + 1)
+
+
 def item_presence(rows: torch.Tensor, n_items: int, noise_multiplier: float = 0.0,
                   generator: torch.Generator | None = None) -> torch.Tensor:
     """p (n_items + 1,): p_i = (number of users whose training row holds item i) / n_users,
@@ -117,9 +125,7 @@ def item_presence(rows: torch.Tensor, n_items: int, noise_multiplier: float = 0.
     N(0, (z sqrt(k))^2) noise first (the Gaussian mechanism, ``presence_sensitivity``); the floor
     is post-processing."""
     n = rows.shape[0]
-    user = torch.arange(n).repeat_interleave(rows.shape[1])
-    pairs = torch.unique(user * (n_items + 1) + rows.flatten())
-    counts = torch.bincount(pairs % (n_items + 1), minlength=n_items + 1).double()
+    counts = item_counts(rows, n_items).double()
     if noise_multiplier > 0:
         std = noise_multiplier * presence_sensitivity(rows, n_items)
         counts = counts + std * torch.randn(counts.shape, generator=generator, dtype=counts.dtype)
