@@ -154,8 +154,13 @@ def _start_and_wait_inside_run(cmd, store, timeout=120):
     from conftest import ROOT
 
     runs(store)  # create the store's tables here, first: two processes creating them at once break it
+    def default_sigint():  # a process started in the background (nohup, `&`) inherits SIGINT ignored
+        import signal
+
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
+                            start_new_session=True, preexec_fn=default_sigint)
     deadline = time.time() + timeout
     while time.time() < deadline and proc.poll() is None:
         time.sleep(0.3)
