@@ -51,11 +51,7 @@ def sweep(args, folder: Path, store: str, conf: str | None = None) -> subprocess
 
 
 def statuses(store: str) -> list[str]:
-    import mlflow
-
-    client = mlflow.MlflowClient(tracking_uri=store)
-    exps = client.search_experiments()
-    return [r.info.status for r in client.search_runs([e.experiment_id for e in exps])] if exps else []
+    return [r.info.status for r in runs(store)]
 
 
 @pytest.mark.parametrize("args", [
@@ -120,6 +116,23 @@ def queue(conf: str) -> list[str]:
     return out.stdout.split()
 
 
+def assert_cell_0_failed_alone(proc: subprocess.Popen, folder: Path, store: str, conf: str) -> None:
+    """Await the sweep (killed if it hangs) and check that cell 0 (seqrec.epochs=100000) is reported
+    failed while cell 1 (1 epoch) was summarised, with no run left RUNNING and the queue empty."""
+    try:
+        out, err = proc.communicate(timeout=400)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 1, err[-3000:]
+    assert "1 of 2 cells failed" in err and "seqrec.epochs=100000" in err, err[-3000:]
+    results = pd.read_csv(folder / "results.csv")
+    assert len(results) > 0 and set(results["epochs"]) == {1}
+    found = sorted(r.info.status for r in runs(store))
+    assert "RUNNING" not in found and found.count("FINISHED") == 2, found  # cell 1 and the parent
+    assert not queue(conf)
+
+
 def test_a_cancelled_cell_fails_alone_and_the_others_are_awaited(cluster, tmp_path):
     """Cell 0 runs without end and is cancelled with scancel while it runs; cell 1 starts a minute
     later (its job's setup sleeps), so it is still to come when submitit learns of the cancel. The
@@ -132,17 +145,10 @@ def test_a_cancelled_cell_fails_alone_and_the_others_are_awaited(cluster, tmp_pa
     try:
         wait_for("cell 0's run RUNNING", lambda: any(r.info.status == "RUNNING" for r in runs(store)))
         subprocess.run(["scancel", array_task(folder, 0)], env=dict(os.environ, SLURM_CONF=cluster), check=True)
-        out, err = proc.communicate(timeout=400)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-    assert proc.returncode == 1, err[-3000:]
-    assert "1 of 2 cells failed" in err and "seqrec.epochs=100000" in err, err[-3000:]
-    results = pd.read_csv(folder / "results.csv")
-    assert len(results) > 0 and set(results["epochs"]) == {1}
-    statuses = sorted(r.info.status for r in runs(store))
-    assert "RUNNING" not in statuses and statuses.count("FINISHED") == 2, statuses  # cell 1 and the parent
-    assert not queue(cluster)
+    except BaseException:
+        os.killpg(proc.pid, signal.SIGKILL)
+        raise
+    assert_cell_0_failed_alone(proc, folder, store, cluster)
 
 
 def test_a_cell_past_its_time_limit_fails_alone(cluster, tmp_path):
@@ -151,17 +157,7 @@ def test_a_cell_past_its_time_limit_fails_alone(cluster, tmp_path):
     folder = tmp_path / "sweep"
     proc = launch([*CELL, "seqrec.epochs=100000,1", "hydra.launcher.timeout_min=1",
                    "hydra.launcher.signal_delay_s=20"], folder, store, cluster)
-    try:
-        out, err = proc.communicate(timeout=400)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-    assert proc.returncode == 1, err[-3000:]
-    assert "1 of 2 cells failed" in err and "seqrec.epochs=100000" in err, err[-3000:]
-    assert set(pd.read_csv(folder / "results.csv")["epochs"]) == {1}
-    statuses = sorted(r.info.status for r in runs(store))
-    assert "RUNNING" not in statuses and statuses.count("FINISHED") == 2, statuses
-    assert not queue(cluster)
+    assert_cell_0_failed_alone(proc, folder, store, cluster)
 
 
 def test_resume_after_the_submitter_is_killed(cluster, tmp_path):
