@@ -7,7 +7,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pandas as pd
 import pytest
+import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 ARCHIVE = ROOT.parent / "shared" / "data" / "20news-bydate.tar.gz"
@@ -59,8 +61,13 @@ def test_dvc_repro_builds_every_artifact_and_then_does_nothing(tmp_path):
         assert "| transformer |" in (out / "table.md").read_text(), stage
         assert json.loads((out / "metrics.json").read_text())["cells"] >= 2, stage
         assert (out / "curves.png").stat().st_size > 0, stage
-    for grid in ("dpformer_fig2", "dpformer_fig7"):  # the setting selected on validation, read by the tables
+    for grid, tab in (("dpformer_fig2", "dpformer_table1"), ("dpformer_fig7", "dpformer_table2")):
         assert (repo / "artifacts" / grid / "selected.txt").read_text().startswith("seqrec.lr="), grid
+        tuned = yaml.safe_load((repo / "artifacts" / grid / "tuned.yaml").read_text())  # each model's, on validation
+        ran = pd.read_csv(repo / "artifacts" / tab / "results.csv").groupby("model")[["lr", "batch_size"]].first()
+        assert set(ran.index) <= set(tuned) and len(ran) == 6, (grid, sorted(tuned))
+        for model, row in ran.iterrows():  # the table ran each model at its own tuned setting
+            assert (row["lr"], row["batch_size"]) == (tuned[model]["lr"], tuned[model]["batch_size"]), (tab, model)
     assert (repo / "artifacts/dpformer_fig3/efficiency.png").stat().st_size > 0
     assert len(json.loads((repo / "artifacts/dpformer_fig3/efficiency.json").read_text())) == 4  # one row per engine
     table1 = (repo / "artifacts/dpformer_table1/results.csv").read_text()

@@ -378,3 +378,64 @@ def test_amazon_games_file_has_the_published_statistics(cfg_for):
     short = int((s.lengths < 3).sum())
     assert st["evaluated_users"] == 31013 - short
     assert int(s.popularity.sum()) == 287107 - 2 * (31013 - short)
+
+
+# ------------------------------------------------------------------- the user sample and the tail
+
+
+def test_tail_share_counts_distinct_users_per_item():
+    # item 1: users 1..5 (5 users, not tail); item 2: user 1 three times (1 user); item 3: users 1, 2
+    users = np.array([1, 2, 3, 4, 5, 1, 1, 1, 1, 2])
+    items = np.array([1, 1, 1, 1, 1, 2, 2, 2, 3, 3])
+    assert data.tail_share(users, items) == pytest.approx(2 / 3)
+    assert data.tail_share(users, items, below=2) == pytest.approx(1 / 3)
+    s = data.split(users - 1, items, 3, 4)  # split reports the same share over all interactions
+    assert s.tail_share == pytest.approx(2 / 3) and s.stats()["tail_share"] == pytest.approx(2 / 3)
+
+
+def test_sample_users_keeps_whole_users_and_is_seeded():
+    rng = np.random.default_rng(1)
+    users = np.repeat(np.arange(1, 101) * 7, 4)  # 100 users (sparse ids), 4 interactions each
+    items = rng.integers(1, 50, size=len(users))
+    u, i = data.sample_users(users, items, 30, seed=3)
+    assert len(np.unique(u)) == 30 and len(u) == 120  # every interaction of each chosen user
+    kept = np.isin(users, u)
+    assert np.array_equal(u, users[kept]) and np.array_equal(i, items[kept])  # order-preserving
+    again, _ = data.sample_users(users, items, 30, seed=3)
+    other, _ = data.sample_users(users, items, 30, seed=4)
+    assert np.array_equal(u, again) and not np.array_equal(np.unique(u), np.unique(other))
+    every, _ = data.sample_users(users, items, 1000, seed=3)
+    assert np.array_equal(every, users)
+
+
+def test_sampling_users_keeps_the_tail_that_keeping_frequent_items_removes(tmp_path, caplog):
+    rng = np.random.default_rng(0)
+    f = tmp_path / "seq.txt"
+    ranks = np.arange(1, 401)
+    p = ranks ** -1.0 / (ranks ** -1.0).sum()  # a long-tailed catalogue of 400 items
+    f.write_text("".join(f"{u} {i}\n" for u in range(1, 301) for i in rng.choice(ranks, size=8, p=p)))
+    caplog.set_level("INFO")
+    sampled = data.load(file_cfg(f, name="amazon_games", format="sasrec", sample_users=100, sample_seed=0), 5, 0)
+    frequent = data.load(file_cfg(f, name="amazon_games", format="sasrec", max_items=40, k_core=5), 5, 0)
+    assert sampled.n_users == 100 and sampled.tail_share > 0.5
+    assert frequent.tail_share == 0.0
+    assert sampled.file_tail_share == frequent.file_tail_share == pytest.approx(data.tail_share(*data.read_interactions(f)[:2]))
+    assert "items seen by fewer than 5 users" in caplog.text
+
+
+@pytest.mark.parametrize("key, value", [("sample_users", 0), ("sample_users", "all"), ("sample_users", True),
+                                        ("sample_seed", -1), ("sample_seed", 1.5)])
+def test_bad_sample_settings_are_refused(tmp_path, key, value):
+    f = tmp_path / "seq.txt"
+    f.write_text("1 1\n1 2\n1 3\n")
+    with pytest.raises(ConfigError, match=f"dataset.{key}"):
+        data.load(file_cfg(f, format="sasrec", **{key: value}), 5, 0)
+
+
+@pytest.mark.skipif(AMAZON is None, reason="amazon-games-sasrec.txt is not here")
+def test_amazon_cpu_preset_is_a_user_sample_that_keeps_the_tail(cfg_for):
+    cfg = cfg_for("experiment=dpformer_table2", f"dataset.path={AMAZON}").dataset
+    s = data.load(cfg, cfg.L, 0)
+    st = s.stats()
+    assert (st["users"], st["items"], s.L) == (2000, 8360, 20)  # conf/seqrec/dataset/amazon_games_cpu.yaml's comment
+    assert st["file_tail_share"] == pytest.approx(0.4893, abs=1e-4) and st["tail_share"] == pytest.approx(0.9091, abs=1e-4)

@@ -161,8 +161,10 @@ def test_layer_norm_moments_against_monte_carlo(token_scale, noise_scale):
 
 # The errors of the two scales (Claims 5.3-5.4 computed for the presets' runs): the block error
 # sigma_dp C / B and the item errors sigma_dp C / (B p_i), whose middle 90% spans these ranges:
-# amazon_games_cpu at B = 512, eps = 8 (items 0.06 to 0.23); the full Amazon Games data at B = 1024,
-# eps = 5 (items 6 to 45, the long tail's rows far noisier than the embeddings).
+# Amazon Games' 500 most frequent items (the CPU preset before it sampled users) at B = 512, eps = 8
+# (items 0.06 to 0.23); the full Amazon Games data at B = 1024, eps = 5 (items 6 to 45, the long
+# tail's rows far noisier than the embeddings). The present amazon_games_cpu (2,000 sampled users,
+# B = 512, eps = 8) lies between them: items 0.85 to 4.3, inside the range these two bracket.
 SCALES = {"cpu_preset": (0.0017, 0.06, 0.23), "full_amazon": (0.0018, 6.0, 45.0)}
 
 

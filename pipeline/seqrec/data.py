@@ -31,7 +31,7 @@ from pathlib import Path
 import numpy as np
 
 from pipeline.seqrec import synthetic
-from pipeline.seqrec.sequences import Sequences, check_L, split  # noqa: F401  (data.Sequences, data.split)
+from pipeline.seqrec.sequences import TAIL_USERS, Sequences, check_L, split, tail_share  # noqa: F401  (data.Sequences, data.split)
 from pipeline.validation import ConfigError
 
 log = logging.getLogger(__name__)
@@ -160,6 +160,19 @@ def k_core(users: np.ndarray, items: np.ndarray, k: int):
         keep &= ~drop
 
 
+def sample_users(users: np.ndarray, items: np.ndarray, n: int, seed: int):
+    """Keep every interaction of ``n`` users drawn uniformly without replacement (seeded, the same
+    sample for every run: the data set, not the training, is drawn); order-preserving. A CPU-scale
+    reduction that keeps the item catalogue's long tail, unlike :func:`most_popular` (each kept
+    user keeps all their items, rare ones included). ``n`` at least the file's users keeps them all."""
+    ids = np.unique(users)
+    if n >= len(ids):
+        return users, items
+    chosen = np.random.default_rng(seed).choice(ids, size=n, replace=False)
+    m = np.isin(users, chosen)
+    return users[m], items[m]
+
+
 def most_popular(users: np.ndarray, items: np.ndarray, top: int):
     """Keep only the interactions with the ``top`` most frequent items (ties: the smaller id);
     order-preserving. A CPU-scale reduction of the item catalogue (the item count M sets the cost
@@ -185,27 +198,36 @@ def reindex(users: np.ndarray, items: np.ndarray):
 # -------------------------------------------------------------------------------------- load
 
 
-def filters(dataset_cfg) -> tuple[int | None, int | None]:
-    """``dataset.max_items`` and ``dataset.k_core``, checked: each a positive integer or null."""
+def filters(dataset_cfg) -> tuple[int | None, int, int | None, int | None]:
+    """``dataset.sample_users``, ``dataset.sample_seed``, ``dataset.max_items`` and
+    ``dataset.k_core``, checked: each a positive integer or null (the seed: an integer >= 0)."""
     values = []
-    for key in ("max_items", "k_core"):
+    for key in ("sample_users", "max_items", "k_core"):
         value = dataset_cfg.get(key)
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
             raise ConfigError(f"dataset.{key} must be a positive integer or null, got {value!r}")
         values.append(value)
-    return values[0], values[1]
+    seed = dataset_cfg.get("sample_seed", 0)
+    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+        raise ConfigError(f"dataset.sample_seed must be an integer >= 0, got {seed!r}")
+    return values[0], seed, values[1], values[2]
 
 
 MIN_INTERACTIONS = 3  # a user's training part, validation item and test item (leave-last-out)
 
 
 @lru_cache(maxsize=4)
-def _interactions(path: str, mtime_ns: int, fmt: str, top: int | None, k: int | None, key: str):
+def _interactions(path: str, mtime_ns: int, fmt: str, sample: int | None, sample_seed: int, top: int | None,
+                  k: int | None, key: str):
     """A file's interactions read, time-ordered, filtered and re-indexed: (users, items, n_items,
-    repeated lines). Cached per file version and filters: the preflight and the run read it once."""
+    repeated lines, the file's tail share). Cached per file version and filters: the preflight and
+    the run read it once. The filters apply in this order: sample_users, max_items, k_core."""
     users, items, times = read_interactions(Path(path), fmt, key)
     repeats = len(users) - len(np.unique(np.stack([users, items], 1), axis=0))
+    file_tail = tail_share(users, items)
     users, items = time_order(users, items, times)
+    if sample is not None:
+        users, items = sample_users(users, items, sample, sample_seed)
     if top is not None:
         users, items = most_popular(users, items, top)
     if k is not None:
@@ -215,30 +237,37 @@ def _interactions(path: str, mtime_ns: int, fmt: str, top: int | None, k: int | 
     users, items, n_items = reindex(users, items)
     if not (np.bincount(users) >= MIN_INTERACTIONS).any():
         raise ConfigError(f"{key} = {path!r}: no user has the {MIN_INTERACTIONS} interactions a leave-last-out "
-                          f"split needs (training, validation and test item){' after the filters' if top or k else ''}")
+                          f"split needs (training, validation and test item)"
+                          f"{' after the filters' if sample or top or k else ''}")
     users.setflags(write=False)
     items.setflags(write=False)
-    return users, items, n_items, repeats
+    return users, items, n_items, repeats, file_tail
 
 
 def interactions(dataset_cfg, key: str = "dataset.path"):
-    """(users 0..U-1, items 1..M, M, repeated lines) of ``dataset_cfg``'s file after its filters;
-    refuses (ConfigError) a file that leaves no user with a test item."""
+    """(users 0..U-1, items 1..M, M, repeated lines, the file's tail share) of ``dataset_cfg``'s
+    file after its filters; refuses (ConfigError) a file that leaves no user with a test item."""
     path = resolve(dataset_cfg.get("path"), key)
-    top, k = filters(dataset_cfg)
-    return _interactions(str(path), path.stat().st_mtime_ns, str(dataset_cfg.get("format", "auto")), top, k, key)
+    sample, sample_seed, top, k = filters(dataset_cfg)
+    return _interactions(str(path), path.stat().st_mtime_ns, str(dataset_cfg.get("format", "auto")), sample,
+                         sample_seed, top, k, key)
 
 
 def load_file(dataset_cfg, L: int) -> Sequences:
-    """A real data set: read, time-order, filter (``max_items``, ``k_core``), re-index, split.
-    Repeated (user, item) lines are kept as repeated interactions (a user may buy or rate an item
-    again; SASRec's files have them) and counted in the log."""
+    """A real data set: read, time-order, filter (``sample_users``, ``max_items``, ``k_core``),
+    re-index, split. Repeated (user, item) lines are kept as repeated interactions (a user may buy
+    or rate an item again; SASRec's files have them) and counted in the log. The tail (the share of
+    items seen by fewer than 5 users) is reported for the file as read and after the filters."""
     check_L(L)
-    users, items, n_items, repeats = interactions(dataset_cfg)
+    users, items, n_items, repeats, file_tail = interactions(dataset_cfg)
     if repeats:
         log.warning("%s: %d repeated (user, item) line(s), kept as repeated interactions", dataset_cfg.get("path"),
                     repeats)
-    return split(users.copy(), items.copy(), n_items, L, name=dataset_cfg.name)
+    seqs = split(users.copy(), items.copy(), n_items, L, name=dataset_cfg.name)
+    seqs.file_tail_share = file_tail
+    log.info("%s: %d users, %d items; items seen by fewer than %d users: %.1f%% of the file's, %.1f%% after the "
+             "filters", dataset_cfg.name, seqs.n_users, n_items, TAIL_USERS, 100 * file_tail, 100 * seqs.tail_share)
+    return seqs
 
 
 def load(dataset_cfg, L: int, seed: int) -> Sequences:

@@ -105,15 +105,17 @@ def masses(model, inputs: torch.Tensor, target: torch.Tensor, relevant: torch.Te
     return out
 
 
-def measure(model, seqs, cfg: DictConfig, generator: torch.Generator) -> pd.DataFrame:
+def measure(model, seqs, cfg: DictConfig, generator: torch.Generator, bucket: torch.Tensor | None = None) -> pd.DataFrame:
     """Every (noise, eps, draw, variant) row of the measurement on ``model`` (a DPFormer trained
-    without noise): its masses and NDCG@k (see the module docstring)."""
+    without noise): its masses and NDCG@k (see the module docstring). ``bucket``: ``item_buckets``'
+    first value, if the caller has it."""
     d = cfg.distraction
     k, batch = int(cfg.seqrec.k), int(cfg.seqrec.eval_batch)
     users = (seqs.test_target != 0).nonzero().squeeze(1)[: int(d.users)]
     inputs, target = seqs.test_input[users], seqs.test_target[users]
     relevant = seqs.relevant[users] if seqs.relevant is not None else None
-    bucket, _ = item_buckets(seqs.train, seqs.n_items, list(d.buckets))
+    if bucket is None:
+        bucket, _ = item_buckets(seqs.train, seqs.n_items, list(d.buckets))
     presence = reattention.item_presence(seqs.train, seqs.n_items)
     form = model.form
     rows = []
@@ -212,7 +214,8 @@ def run(cfg: DictConfig) -> Path:
                                             "batch_size": cfg.seqrec.batch_size, "epochs": cfg.seqrec.epochs})
         model, history = train.run(seqs, clean_cfg, clean_plan, device=dev)
         tracking.log_metrics("train", {"seconds": time.perf_counter() - start, "loss": history.loss[-1]})
-        results = measure(model, seqs, cfg, torch.Generator(device=dev).manual_seed(int(cfg.seed) + 3))
+        bucket, counts = item_buckets(seqs.train, seqs.n_items, list(d.buckets))
+        results = measure(model, seqs, cfg, torch.Generator(device=dev).manual_seed(int(cfg.seed) + 3), bucket)
         blocks = len(model.blocks)
         summ = summary(results, blocks)
         for r in summ.itertuples(index=False):
@@ -222,7 +225,6 @@ def run(cfg: DictConfig) -> Path:
         csv, md = out / "results.csv", out / "table.md"
         results.to_csv(csv, index=False)
         k = int(cfg.seqrec.k)
-        bucket, counts = item_buckets(seqs.train, seqs.n_items, list(d.buckets))
         tail_share = float((counts[1:] < 5).double().mean())
         header = (f"Attention distraction on {cfg.dataset.name} ({seqs.n_users} users, {seqs.n_items} items; "
                   f"{tail_share:.1%} of items held by fewer than 5 training users), {train.model_name(cfg.model)} "
@@ -235,9 +237,9 @@ def run(cfg: DictConfig) -> Path:
             mlflow.log_artifact(str(path))
         metrics = {f"{r.noise}.eps{r.eps:g}.{r.variant}.{m}": float(getattr(r, m))
                    for r in summ.itertuples(index=False) for m in ("tail", "relevant", "ndcg")}
-        metrics["clean.ndcg"] = float(results[results.variant == "clean"].ndcg.iloc[0])
-        metrics["clean.tail"] = float(results[results.variant == "clean"][f"b{blocks}_tail"].iloc[0])
-        metrics["clean.relevant"] = float(results[results.variant == "clean"][f"b{blocks}_relevant"].iloc[0])
+        clean = results[results.variant == "clean"].iloc[0]
+        metrics |= {"clean.ndcg": float(clean.ndcg), "clean.tail": float(clean[f"b{blocks}_tail"]),
+                    "clean.relevant": float(clean[f"b{blocks}_relevant"])}
         metrics = {key: value for key, value in metrics.items() if value == value}  # JSON has no NaN
         sweep.publish(cfg, [csv, md, fig], metrics)
         tracking.log_metrics("cell", {"seconds": time.perf_counter() - start})

@@ -33,7 +33,7 @@ def sizes(ds: DictConfig) -> tuple[int, int]:
     run reads the same)."""
     if ds.name == "synthetic_longtail":
         return int(ds.n_users), int(ds.n_items)
-    users, _, n_items, _ = data.interactions(ds)
+    users, _, n_items, *_ = data.interactions(ds)
     return int(users.max()) + 1, int(n_items)
 
 

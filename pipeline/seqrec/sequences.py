@@ -28,6 +28,8 @@ class Sequences:
     best: dict[str, float] | None = None  # synthetic: NDCG@10 / HIT@10 (%) of the oracle on the test targets
     lengths: torch.LongTensor | None = None  # (n_users,): full sequence lengths before truncation
     name: str = ""
+    tail_share: float | None = None  # share of the items seen by fewer than TAIL_USERS users (tail_share())
+    file_tail_share: float | None = None  # a file's: the same share in the file as read, before its filters
 
     @property
     def n_users(self) -> int:
@@ -47,7 +49,20 @@ class Sequences:
             "mean_length": n / max(self.n_users, 1),
             "density": n / max(self.n_users * self.n_items, 1),
             "evaluated_users": int((self.test_target != 0).sum()),
+            **({} if self.tail_share is None else {"tail_share": self.tail_share}),
+            **({} if self.file_tail_share is None else {"file_tail_share": self.file_tail_share}),
         }
+
+
+TAIL_USERS = 5  # an item seen by fewer users than this is a tail item (its share is reported with each data set)
+
+
+def tail_share(users: np.ndarray, items: np.ndarray, below: int = TAIL_USERS) -> float:
+    """The share of the items that occur seen by fewer than ``below`` distinct users (all of each
+    user's interactions, held-out ones included)."""
+    pairs = np.unique(np.stack([users, items], 1), axis=0)
+    _, seen_by = np.unique(pairs[:, 1], return_counts=True)
+    return float((seen_by < below).mean()) if len(seen_by) else 0.0
 
 
 def check_L(L, key: str = "dataset.L") -> int:
@@ -88,4 +103,5 @@ def split(users: np.ndarray, items: np.ndarray, n_items: int, L: int, name: str 
         popularity=torch.from_numpy(popularity),
         lengths=torch.from_numpy(lengths),
         name=name,
+        tail_share=tail_share(users, items),
     )

@@ -15,7 +15,9 @@ of the cells (their folders hold each cell's ``history.csv``). Written next to t
   validation with its test numbers, beside the best-on-test setting (the paper's protocol, which
   picks on the test set: reported for comparison only); ``table.md`` then shows each model at its
   setting selected on validation; ``selected.txt``, the overrides of the
-  setting selected on validation for ``seqrec.select_for`` (the DVC table stages read it);
+  setting selected on validation for ``seqrec.select_for``; ``tuned.yaml``, every model's setting
+  selected on validation (``pipeline/seqrec/tuning.py``: the DVC table stages run each model at
+  its own, ``seqrec.tuned=...``);
 - on synthetic data (attention mass measured): ``attention.png``, the last block's attention mass
   on the positions that drove the target against eps, chance level dashed;
 - ``report.html`` with all of the above, and ``metrics.json`` (for ``dvc metrics show``).
@@ -32,7 +34,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from pipeline import report as reporting
 from pipeline import sweep
-from pipeline.seqrec import cell, plot
+from pipeline.seqrec import cell, plot, tuning
 from pipeline.seqrec.evaluate import BASELINES
 from pipeline.seqrec.plot import NON_PRIVATE, label
 
@@ -222,7 +224,7 @@ def summarise(config: DictConfig, sweep_id: str, sweep_dir: Path, cells: sweep.C
             f"numbers; beside it the best-on-test setting (the paper's protocol, for comparison only)\n\n"
             + reporting.markdown_table(picks.drop(columns="method").round(3)))
         figures.append(plot.grid_figure(results, sweep_dir / "grid.png", k))
-        artifacts += [sweep_dir / "grid.csv", sweep_dir / "grid.md"]
+        artifacts += [sweep_dir / "grid.csv", sweep_dir / "grid.md", tuning.write(picks, sweep_dir / "tuned.yaml", k)]
         chosen = config.seqrec.get("select_for")
         if chosen:
             (sweep_dir / "selected.txt").write_text(selected_overrides(picks, chosen) + "\n")

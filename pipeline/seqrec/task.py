@@ -15,8 +15,9 @@ class SeqRec:
     audit_devices = ("cpu",)
 
     def validate(self, cfg: DictConfig) -> None:
-        from pipeline.seqrec import config
+        from pipeline.seqrec import config, tuning
 
+        tuning.apply(cfg)  # seqrec.tuned: this model's setting selected on validation, before anything reads it
         config.validate(cfg)
 
     def memory(self, cfg: DictConfig, checked):
