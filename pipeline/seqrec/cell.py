@@ -59,6 +59,10 @@ def run(cfg: DictConfig) -> Path:
     seqs = data.load(cfg.dataset, int(cfg.dataset.L), int(cfg.seed))  # a bad file is refused before any run
     data_seconds = time.perf_counter() - start
     run_plan = train.plan(cfg, seqs.n_users)
+    if run_plan.batch_size < int(cfg.seqrec.batch_size):  # Poisson sampling cannot expect more users than there are
+        log.warning("seqrec.batch_size = %d is more than the data set's %d users: the expected batch is %d (q = 1), "
+                    "and the results record B = %d", cfg.seqrec.batch_size, seqs.n_users, run_plan.batch_size,
+                    run_plan.batch_size)
     out = tracking.output_dir()
     job = tracking.begin_cell(cfg, out)
     if job is None:  # a resumed sweep: this folder holds the same cell, finished

@@ -58,8 +58,11 @@ def sweep_figure(results: pd.DataFrame, path: Path, k: int = 10) -> Path:
         ax.set_xlabel("ε")
         ax.set_ylabel(f"test {metric} (%), mean over seeds")
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
-    fig.tight_layout()
+    handles, labels = axes[0].get_legend_handles_labels()  # one legend for both panels, below them: never over a line
+    ncol = _legend_columns(labels, 10)
+    rows = -(-len(labels) // ncol)
+    fig.legend(handles, labels, loc="lower center", ncol=ncol, fontsize=8, frameon=False)
+    fig.tight_layout(rect=(0, 0.06 * rows + 0.02, 1, 1))
     return save(fig, path, dpi=120)
 
 
