@@ -1,0 +1,85 @@
+"""The numbers README and docs/ quote agree with the committed ``artifacts/*/metrics.json`` (in git,
+written by ``dvc repro``): a rebuild that moves a number fails here until the text moves with it."""
+
+import json
+import math
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def metric(stage: str, key: str) -> float:
+    return json.loads((ROOT / "artifacts" / stage / "metrics.json").read_text())[key]
+
+
+def sci(v: float) -> str:
+    """2.8e-3: the way the pages write small numbers (two significant digits)."""
+    mantissa, exponent = f"{v:.1e}".split("e")
+    return f"{mantissa}e{int(exponent)}"
+
+
+def text(page: str) -> str:
+    return re.sub(r"\s+", " ", (ROOT / page).read_text())  # quotes may wrap across lines
+
+
+NOISYHEAD = "docs/noisyhead.md"
+QUOTED = [  # (page, phrase with {} for the value, stage, key, format)
+    (NOISYHEAD, "from 4.98 (N = 1000) to {}", "fig1", "noisyhead_excess_risk_mean_max", "{:.2f}"),
+    ("README.md", "6.42 at N = 1500", "fig1", "noisyhead_excess_risk_mean_max", None),
+    (NOISYHEAD, "Figures 1 and 2 ({} to", "fig1", "noisyhead_excess_risk_mean_min", "{:.2f}"),
+    (NOISYHEAD, "from {} (N = 500, eps = 0.01)", "fig2", "noisyhead_excess_risk_mean_max", sci),
+    (NOISYHEAD, "to {} (N = 1000, eps = 1)", "fig2", "noisyhead_excess_risk_mean_min", sci),
+    (NOISYHEAD, "({} at T = 1,", "fig3", "gd_excess_risk_mean_max", sci),
+    (NOISYHEAD, "{} at T = 481", "fig3", "gd_excess_risk_mean_min", sci),
+    (NOISYHEAD, "Risk_Ridge = {} (sd", "fig4", "ridge_none_attack_risk_mean_max", "{:.4f}"),
+    (NOISYHEAD, "Risk_DP (independent noise) = {}", "fig4", "noisyhead_independent_attack_risk_mean_max", "{:.4f}"),
+    (NOISYHEAD, "with shared noise Risk_DP = {}", "fig4", "noisyhead_shared_attack_risk_mean_max", sci),
+    (NOISYHEAD, "{} against 4.98", "fig5", "dpsgd_excess_risk_mean_max", "{:.3f}"),
+    (NOISYHEAD, "{} against 0.050", "fig5", "dpsgd_excess_risk_mean_min", sci),
+    (NOISYHEAD, "against {})", "fig5", "noisyhead_excess_risk_mean_min", "{:.3f}"),
+    (NOISYHEAD, "(excess risk {} at T = 1,", "fig6", "gd_excess_risk_mean_max", sci),
+    (NOISYHEAD, "{} at T = 100)", "fig6", "gd_excess_risk_mean_min", sci),
+    (NOISYHEAD, "best at T = 1 ({})", "fig6", "noisyhead_excess_risk_mean_min", sci),
+    (NOISYHEAD, "and {} for every T from 12", "fig6", "noisyhead_excess_risk_mean_max", sci),
+]
+
+
+@pytest.mark.parametrize("page, phrase, stage, key, fmt", QUOTED, ids=[f"{q[2]}:{q[3]}" for q in QUOTED])
+def test_a_quoted_number_is_the_committed_metric(page, phrase, stage, key, fmt):
+    value = metric(stage, key)
+    shown = phrase if fmt is None else phrase.format(fmt(value) if callable(fmt) else fmt.format(value))
+    if fmt is None:
+        assert f"{value:.2f}" in phrase, (phrase, value)
+    assert shown in text(page), f"{page} should quote {shown!r} ({stage}/{key} = {value})"
+
+
+DPFORMER = "docs/dpformer_experiments.md"
+MODELS = {"GRU": "gru", "LSTM": "lstm", "Transformer w/o PS": "transformer_untied", "Transformer (vanilla)": "transformer",
+          "DPFormer, public p_i (the paper's assumption)": "dpformer:presence-public",
+          "DPFormer, private p_i (the default)": "dpformer"}
+
+
+def table_rows(section: str):
+    """(model key, eps label, quoted NDCG@10 mean) of every model row of the table under ``section``."""
+    body = (ROOT / DPFORMER).read_text().split(section, 1)[1].split("\n#", 1)[0]
+    lines = [line for line in body.splitlines() if line.startswith("|")]
+    header = [c.strip() for c in lines[0].strip("|").split("|")]
+    for line in lines[2:]:
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        if cells[0] not in MODELS:
+            continue
+        for col, cell in zip(header, cells):
+            if col.startswith("eps = ") and cell:
+                yield MODELS[cells[0]], col.removeprefix("eps = "), float(cell.split()[0])
+
+
+@pytest.mark.parametrize("section, stage", [("### Table 1", "dpformer_table1"), ("### Table 2", "dpformer_table2")])
+def test_dpformer_tables_quote_the_committed_means(section, stage):
+    rows = list(table_rows(section))
+    assert len(rows) >= 12, rows
+    for model, eps, quoted in rows:
+        value = metric(stage, f"{model}.eps_{eps}.test_ndcg10")
+        assert math.isclose(quoted, round(value, 2), abs_tol=1e-9), (stage, model, eps, quoted, value)
