@@ -106,8 +106,8 @@ def test_the_check_catches_an_undeclared_import(tmp_path):
     a dependency) but not declared by the project is reported."""
     runtime, _ = declared()
     probe = tmp_path / "probe.py"
-    probe.write_text("import numpy\nimport json\nfrom pipeline import cell\n\ndef f():\n    import yaml\n")
+    probe.write_text("import numpy\nimport json\nfrom pipeline import cell\n\ndef f():\n    import sqlalchemy\n")
     found = third_party(imported_top_levels(probe))
-    assert found == {"numpy", "yaml"}
+    assert found == {"numpy", "sqlalchemy"}
     assert distributions_of("numpy") & runtime
-    assert distributions_of("yaml") == {"pyyaml"} and not distributions_of("yaml") & runtime
+    assert distributions_of("sqlalchemy") == {"sqlalchemy"} and not distributions_of("sqlalchemy") & runtime
