@@ -1,4 +1,5 @@
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -49,3 +50,13 @@ def run_cli(tmp_path):
     run.store = store
     run.tmp = tmp_path
     return run
+
+
+def communicate_or_kill(proc: subprocess.Popen, timeout: float) -> tuple[str, str]:
+    """(stdout, stderr) of a process started in its own group; if it is still running after
+    ``timeout`` seconds (or the wait fails), its whole group is killed, so no test leaves it behind."""
+    try:
+        return proc.communicate(timeout=timeout)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)

@@ -3,6 +3,7 @@
 import mlflow
 import pandas as pd
 import pytest
+from conftest import communicate_or_kill
 
 from pipeline.noisyhead.evaluate import COLUMNS
 
@@ -193,11 +194,7 @@ def test_ctrl_c_ends_a_single_run_killed_with_130_and_one_line(run_cli, task):
            f"hydra.run.dir={run_cli.tmp / 'run'}"]
     proc = _start_and_wait_inside_run(cmd, run_cli.store)
     os.kill(proc.pid, signal.SIGINT)
-    try:
-        out, err = proc.communicate(timeout=120)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
+    out, err = communicate_or_kill(proc, 120)
     assert proc.returncode == 130, err[-3000:]
     assert "Traceback" not in err, err[-3000:]
     assert [ln for ln in err.splitlines() if ln.startswith("error:")] == \

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
+from conftest import communicate_or_kill
 
 ROOT = Path(__file__).resolve().parents[1]
 HARNESS = ROOT / ".ci" / "slurm"
@@ -119,11 +120,7 @@ def queue(conf: str) -> list[str]:
 def assert_cell_0_failed_alone(proc: subprocess.Popen, folder: Path, store: str, conf: str) -> None:
     """Await the sweep (killed if it hangs) and check that cell 0 (seqrec.epochs=100000) is reported
     failed while cell 1 (1 epoch) was summarised, with no run left RUNNING and the queue empty."""
-    try:
-        out, err = proc.communicate(timeout=400)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
+    out, err = communicate_or_kill(proc, 400)
     assert proc.returncode == 1, err[-3000:]
     assert "1 of 2 cells failed" in err and "seqrec.epochs=100000" in err, err[-3000:]
     results = pd.read_csv(folder / "results.csv")
