@@ -103,7 +103,9 @@ def test_sweep_prints_its_table_parent_run_and_ui_address(sweep):
     tmp, _, proc = sweep
     out = proc.stdout
     assert re.search(r"^\s*N\s.*NoisyHead", out, re.M) and "ridge oracle" not in out.split("report:")[0][-800:], out[-2000:]
-    assert re.search(r"^\s*40\s+\d+\s+\S+ \(\S+\)$", out, re.M) and re.search(r"^\s*60\s+\d+\s+\S+ \(\S+\)$", out, re.M)
+    for n in (40, 60):  # a row per cell: N, T, then "mean (sd)" of NoisyHead and of the zero predictor
+        assert re.search(rf"^\s*{n}\s+\d+\s+\S+ \(\S+\)\s+\S+ \(\S+\)$", out, re.M), out[-2000:]
+    assert re.search(r"^\s*N\s.*NoisyHead.*predicting 0 \(reference\)", out, re.M), out[-2000:]
     parent = re.search(r"MLflow parent run (\w{32}): (http://\S+)", out)
     assert parent and parent.group(1) in parent.group(2) and "workflowType=machine_learning" in parent.group(2)
     assert f"report: {tmp / 'sweep' / 'report.html'}" in out

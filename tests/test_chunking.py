@@ -1,5 +1,7 @@
 """Results do not depend on how the trials are split: every random draw belongs to a trial."""
 
+import math
+
 import numpy as np
 import pytest
 import torch
@@ -66,3 +68,19 @@ def test_slices_cut_each_trial_at_fixed_offsets():
             for t, lo, hi in segments:
                 offsets.setdefault(t, []).append(hi - lo)
         assert all(sizes == [4, 4, 2] for sizes in offsets.values())
+
+
+def test_the_zero_predictors_row_has_its_closed_forms(cfg_for, monkeypatch):
+    """The reference row of every cell: predicting 0 has excess risk mean_k <Gamma*, Z_k>^2 against
+    the oracle and test MSE mean_k y_k^2, per trial; and it needs no attack risk (it reads no data)."""
+    monkeypatch.setattr(evaluate.tracking, "log_metrics", lambda *a, **k: None)  # no MLflow run here
+    cfg = cfg_for("trials=6", "regime.N=60", "dataset.n_test=9", "method=[ridge,gd]")
+    const = config.validate(cfg)
+    problem = data.synthetic(const, trials=6, n_test=9, seed=0, chunk=6, dtype=torch.float64)
+    fits = {name: ESTIMATORS[spec.estimator].fit(problem, const, cfg, spec) for name, spec in cfg.method.items()}
+    rows = evaluate.run(problem, fits, const, cfg).set_index("method")
+    zero = rows.loc["zero"]
+    oracle = problem.test.inner(fits["ridge"].gamma)[:, 0]  # (B, n_test): the oracle's predictions
+    assert zero["excess_risk_mean"] == pytest.approx(float(oracle.square().mean(-1).mean()), rel=1e-12)
+    assert zero["test_mse_mean"] == pytest.approx(float(problem.test.y.square().mean(-1).mean()), rel=1e-12)
+    assert not zero["private"] and math.isnan(zero["attack_risk_mean"])

@@ -20,7 +20,7 @@ def test_single_run_logs_every_step(run_cli):
     proc = run_cli(*TINY)
     results = pd.read_csv(run_cli.tmp / "run" / "results.csv")
     assert list(results.columns) == COLUMNS
-    assert sorted(results["method"]) == ["gd", "noisyhead", "ridge"]
+    assert sorted(results["method"]) == ["gd", "noisyhead", "ridge", "zero"]  # zero: the reference row
     assert (results["B"] == 4).all() and (results["N"] == 60).all()
     assert (run_cli.tmp / "run" / "excess_risk.png").stat().st_size > 1000
     assert "noisyhead" in proc.stderr + proc.stdout  # the printed summary
@@ -87,7 +87,7 @@ def test_sweep_groups_its_cells_and_draws_the_figure(run_cli):
     run_cli(*TINY, "regime.N=40,60", "privacy.eps=0.5", "-m")
     sweep = run_cli.tmp / "sweep"
     results = pd.read_csv(sweep / "results.csv")
-    assert len(results) == 2 * 3 and sorted(results["N"].unique()) == [40, 60]
+    assert len(results) == 2 * 4 and sorted(results["N"].unique()) == [40, 60]
     assert (sweep / "excess_risk.png").stat().st_size > 1000
     _, found = runs(run_cli.store)
     parents = [r for r in found if r.data.tags.get("kind") == "sweep"]

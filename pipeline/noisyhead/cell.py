@@ -73,7 +73,8 @@ def summary(results) -> str:
 
 
 def method_labels(cfg: DictConfig) -> dict[str, str]:
-    return {name: spec.get("label", name) for name, spec in cfg.method.items()}
+    """Each method's name in tables and legends (its file's ``label``), and the zero predictor's."""
+    return {name: spec.get("label", name) for name, spec in cfg.method.items()} | {evaluate.ZERO: "predicting 0 (reference)"}
 
 
 def run(cfg: DictConfig, const: config.Constants) -> Path:

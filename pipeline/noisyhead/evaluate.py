@@ -68,8 +68,16 @@ def summarize(values: Tensor, level: float, name: str) -> dict[str, float]:
     return out
 
 
+ZERO = "zero"  # the reference row of every cell: the predictor Gamma = 0 (it predicts 0 for every query)
+
+
 def run(problem, fits: dict[str, Fit], const, cfg, attacked: dict[str, dict[str, Fit]] | None = None) -> pd.DataFrame:
+    """One row per (method, T, coupling) of the cell, and the zero predictor's row (``ZERO``): its
+    excess risk against the same oracle on the same test prompts, computed like every method's
+    (the yardstick a private estimator has to beat to be of use; no attack risk: it reads no data)."""
     oracle = fits["ridge"].gamma
+    B, _, D, _ = oracle.shape
+    fits = fits | {ZERO: Fit(gamma=torch.zeros(B, 1, D, D, dtype=oracle.dtype, device=oracle.device), private=False)}
     chunk = cfg.compute.chunk_trials
     level = float(cfg.evaluate.ci_level)
     spec = cfg.attack
@@ -87,7 +95,7 @@ def run(problem, fits: dict[str, Fit], const, cfg, attacked: dict[str, dict[str,
         excess = gap(fit.gamma, oracle, problem.test, chunk)
         mse = test_mse(fit.gamma, problem.test, chunk)
         stds = str(fit.params.get("noise_std", "")).split(",")
-        couplings = attacked[name] if attacked is not None else {"": None}
+        couplings = attacked[name] if attacked is not None and name != ZERO else {"": None}
         for coupling, bad in couplings.items():
             risk = gap(fit.gamma, bad.gamma, problem.test, chunk) if bad is not None else None
             for i, T in enumerate(fit.T or const.T):

@@ -21,6 +21,8 @@ import pandas as pd  # noqa: E402
 import seaborn as sns  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402
 
+from pipeline.noisyhead.evaluate import ZERO  # noqa: E402
+
 AXES = {"N": "$N$ (training prompts)", "T": "$T$ (gradient steps)", "eps": r"privacy budget $\varepsilon$",
         "attack_c": "$c$", "attack_p": r"$p$ (perturbation $\alpha = c N^p$)", "attack_alpha": r"$\alpha$"}
 MEASURES = {"excess_risk": "excess risk vs ridge", "attack_risk": "attack risk", "test_mse": "test MSE"}
@@ -48,9 +50,17 @@ def measures(spec: DictConfig) -> list[str]:
 
 
 def shown(df: pd.DataFrame, spec: DictConfig) -> pd.DataFrame:
-    """The rows of the methods ``spec.methods`` names (null: every method but the ridge oracle)."""
+    """The rows of the methods ``spec.methods`` names (null: every method but the ridge oracle), and
+    the zero predictor's (``evaluate.ZERO``), the reference every table and figure shows."""
     methods = list(spec.methods) if spec.methods else [m for m in df["method"].unique() if m != "ridge"]
-    return df[df["method"].isin(methods)]
+    return df[df["method"].isin([*methods, ZERO])]
+
+
+def reference(df: pd.DataFrame, x: str, y: str) -> pd.Series | None:
+    """The zero predictor's mean ``y`` at each ``x`` (the mean over the cells there, which share their
+    data: the same N gives the same prompts at every eps); None where it has no ``y`` (attack risk)."""
+    zero = df[(df["method"] == ZERO) & df[f"{y}_mean"].notna()]
+    return zero.groupby(x)[f"{y}_mean"].mean() if len(zero) else None
 
 
 def figures(df: pd.DataFrame, spec: DictConfig, folder: Path, labels: dict[str, str] | None = None) -> list[Path]:
@@ -67,6 +77,8 @@ def figure(df: pd.DataFrame, spec: DictConfig, path: Path, labels: dict[str, str
     y = y or measures(spec)[0]
     df = shown(df, spec).copy()
     df = df[df[f"{y}_mean"].notna()]
+    zero = df[df["method"] == ZERO]
+    df = df[df["method"] != ZERO]
     x, hue = _auto(df, spec)
     k = float(spec.k_sd)
     if spec.error_bars == "log_sd":
@@ -98,6 +110,13 @@ def figure(df: pd.DataFrame, spec: DictConfig, path: Path, labels: dict[str, str
     xlog = x == "N" and df[x].nunique() > 2 and df[x].max() / max(df[x].min(), 1e-300) >= 20
     for ax, panel in zip(axes[0], panels):
         sub = df if panel is None else df[df[facet] == panel]
+        ref = reference(zero if panel is None or facet == "method" else zero[zero[facet] == panel], x, y)
+        if ref is not None:  # a dashed black line under the series: what predicting 0 scores
+            style = dict(ls="--", lw=1, color=color(ZERO), label=labels.get(ZERO, ZERO), zorder=1)
+            if len(ref) == 1:  # one x: across the panel
+                ax.axhline(float(ref.iloc[0]), **style)
+            else:
+                ax.plot(ref.index, ref.values, **style)
         at_x = {v: sorted(set(s), key=values.index) for v, s in sub.groupby(x)[key]}  # the series at each x
         for value, g in sub.groupby(key):
             g = g.sort_values(x)
