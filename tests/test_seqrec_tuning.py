@@ -25,6 +25,19 @@ def grid_results():
     return pd.DataFrame(rows)
 
 
+def test_a_table_of_tuned_models_is_not_a_grid():
+    """Each model at its own (lr, B), one per eps (a table run with seqrec.tuned): nothing to select, so no
+    grid.* / tuned.yaml is written; a model at two settings at one eps is a grid."""
+    results = grid_results()
+    tuned = results[((results.method == "transformer") & (results.lr == 0.01) & (results.batch_size == 512))
+                    | ((results.method == "gru") & (results.lr == 0.03) & (results.batch_size == 128))]
+    assert tuned["lr"].nunique() == 2 and not sweep.is_grid(tuned)
+    popular = tuned.assign(method="popular", lr=0.5)  # a baseline's row has no setting of its own
+    assert not sweep.is_grid(pd.concat([tuned, popular]))
+    assert sweep.is_grid(results)
+    assert sweep.is_grid(results[results.method == "gru"])
+
+
 def test_tuned_yaml_holds_each_models_setting_selected_on_validation(tmp_path):
     path = tuning.write(sweep.grid(grid_results(), 10), tmp_path / "tuned.yaml", 10)
     table = yaml.safe_load(path.read_text())

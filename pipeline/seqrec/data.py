@@ -223,8 +223,9 @@ def _interactions(path: str, mtime_ns: int, fmt: str, sample: int | None, sample
     repeated lines, the file's tail share). Cached per file version and filters: the preflight and
     the run read it once. The filters apply in this order: sample_users, max_items, k_core."""
     users, items, times = read_interactions(Path(path), fmt, key)
-    repeats = len(users) - len(np.unique(np.stack([users, items], 1), axis=0))
-    file_tail = tail_share(users, items)
+    pairs = np.unique(np.stack([users, items], 1), axis=0)  # the distinct (user, item) interactions
+    repeats = len(users) - len(pairs)
+    file_tail = tail_share(users, items, pairs=pairs)
     users, items = time_order(users, items, times)
     if sample is not None:
         users, items = sample_users(users, items, sample, sample_seed)

@@ -57,10 +57,13 @@ class Sequences:
 TAIL_USERS = 5  # an item seen by fewer users than this is a tail item (its share is reported with each data set)
 
 
-def tail_share(users: np.ndarray, items: np.ndarray, below: int = TAIL_USERS) -> float:
-    """The share of the items that occur seen by fewer than ``below`` distinct users (all of each
-    user's interactions, held-out ones included)."""
-    pairs = np.unique(np.stack([users, items], 1), axis=0)
+def tail_share(users: np.ndarray, items: np.ndarray, below: int = TAIL_USERS, *,
+               pairs: np.ndarray | None = None) -> float:
+    """The share of the items that are seen by fewer than ``below`` distinct users (all of each
+    user's interactions, held-out ones included). ``pairs``: the distinct (user, item) rows, if the
+    caller has them."""
+    if pairs is None:
+        pairs = np.unique(np.stack([users, items], 1), axis=0)
     _, seen_by = np.unique(pairs[:, 1], return_counts=True)
     return float((seen_by < below).mean()) if len(seen_by) else 0.0
 

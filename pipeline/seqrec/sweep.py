@@ -158,6 +158,14 @@ def gains_markdown(frame: pd.DataFrame, k: int, level: float = 0.95) -> str:
     return "\n".join(lines) + "\n"
 
 
+def is_grid(results: pd.DataFrame) -> bool:
+    """Whether the sweep ran some model at more than one (lr, batch size) at one eps: a grid to select
+    on. A table whose models each run at their own tuned setting (``seqrec.tuned``) is not one."""
+    cells = results[~results["method"].isin(BASELINES)]
+    per_cell = cells.groupby(["method", "clipping", "eps"])[["lr", "batch_size"]].nunique()
+    return bool((per_cell > 1).any().any())
+
+
 def grid(results: pd.DataFrame, k: int) -> pd.DataFrame:
     """Per (model, clipping, eps): the (lr, batch size) selected on mean validation NDCG@k, its test
     numbers, and the best-on-test setting (the paper's protocol)."""
@@ -216,7 +224,7 @@ def summarise(config: DictConfig, sweep_id: str, sweep_dir: Path, cells: sweep.C
     if not curves.empty and f"ndcg{k}" in curves:
         figures.append(plot.curves_figure(curves, sweep_dir / "curves.png", k))
     picks = None
-    if results["lr"].nunique() > 1 or results["batch_size"].nunique() > 1:  # a grid: select on validation
+    if is_grid(results):  # select on validation
         picks = grid(results, k)
         picks.to_csv(sweep_dir / "grid.csv", index=False)
         (sweep_dir / "grid.md").write_text(
