@@ -94,6 +94,33 @@ def test_without_noise_the_noisy_variant_is_the_clean_model():
     assert (out[out.variant == "noisy"]["sigma"] > 0).all()
 
 
+def test_adam_noise_is_the_runs_adam_error_at_every_eps_and_the_correction_is_told_it():
+    from pipeline.seqrec import train
+    from pipeline.seqrec.sequences import Sequences
+
+    r = rows(seed=6, users=60)
+    seqs = Sequences(n_items=M, train=r, valid_input=r[:, :-1], valid_target=r[:, -1], test_input=r[:, 1:],
+                     test_target=r[:, -1], popularity=torch.bincount(r.flatten(), minlength=M + 1))
+    cfg = OmegaConf.create({
+        "seed": 0, "clipping": {"name": "phantom", "C": 1.0},
+        "privacy": {"eps": 8.0, "delta": 1e-5},
+        "seqrec": {"k": 5, "eval_batch": 16, "batch_size": 20, "epochs": 3, "accountant": "rdp", "lr": 0.01,
+                   "warmup": 0.2},
+        "model": {"reattention": {"presence": "public", "form": "propagated"}},
+        "distraction": {"eps": [1.0, 8.0], "noise": ["adam", "paper"], "uniform_std": 0.0, "draws": 2, "users": 50,
+                        "buckets": [0.5, 0.9]}})
+    plan = train.plan(cfg, seqs.n_users)
+    expect = float(train.adam_errors(cfg, plan)[-1])
+    assert plan.steps == 9 and 0.01 < expect < 0.05
+    out = distraction.measure(model(), seqs, cfg, torch.Generator().manual_seed(0))
+    adam = out[out.noise == "adam"]
+    assert len(adam) == 2 * 2 * 2  # eps x draws x (noisy, corrected)
+    assert adam["block_err"].to_numpy() == pytest.approx(expect, rel=1e-12)  # the same at eps 1 and 8
+    assert adam["tail_item_err"].to_numpy() == pytest.approx(expect, rel=1e-12)
+    paper = out[out.noise == "paper"]
+    assert paper.groupby("eps")["block_err"].first().nunique() == 2  # the paper's errors move with eps
+
+
 def cli(*args, cwd=ROOT):
     env = dict(os.environ, PYTHONWARNINGS="ignore")
     return subprocess.run([sys.executable, "-m", "pipeline.seqrec.distraction", *args], cwd=cwd, env=env,
@@ -113,7 +140,7 @@ def test_the_entry_point_logs_to_mlflow_and_writes_report_dir(tmp_path):
     for name in ("results.csv", "table.md", "distraction.png", "metrics.json"):
         assert (report / name).is_file(), name
     metrics = json.loads((report / "metrics.json").read_text())
-    assert {"paper.eps8.noisy.tail", "paper.eps8.corrected.ndcg", "uniform.eps8.noisy.tail", "clean.ndcg"} <= set(metrics)
+    assert {"paper.eps8.noisy.tail", "paper.eps8.corrected.ndcg", "adam.eps8.noisy.tail", "clean.ndcg"} <= set(metrics)
     import mlflow
 
     client = mlflow.MlflowClient(tracking_uri=store)
@@ -125,7 +152,7 @@ def test_the_entry_point_logs_to_mlflow_and_writes_report_dir(tmp_path):
 @pytest.mark.parametrize("bad,key", [
     ("distraction.draws=1", "distraction.draws"),
     ("distraction.eps=[8,-1]", "distraction.eps[1]"),
-    ("distraction.noise=[adam]", "distraction.noise"),
+    ("distraction.noise=[nosuch]", "distraction.noise"),
     ("distraction.buckets=[0.9,0.5]", "distraction.buckets"),
     ("model=transformer", "model=transformer"),
     ("clipping=none", "clipping=none"),

@@ -64,6 +64,7 @@ def validate(cfg: DictConfig) -> None:
             raise ConfigError(f"model.reattention needs model.arch=transformer, got {m.arch!r}")
         presence = _choice(m.reattention.get("presence"), "model.reattention.presence", ("public", "private"))
         _choice(m.reattention.get("form", "propagated"), "model.reattention.form", reattention.FORMS)
+        _choice(m.reattention.get("errors", "paper"), "model.reattention.errors", reattention.ERRORS)
         corrected = m.reattention.get("blocks")
         if corrected is not None:
             ok = isinstance(corrected, (list, ListConfig)) and all(
@@ -168,8 +169,7 @@ def _calibrates(cfg: DictConfig) -> None:
     """Refuse an eps so small that no noise multiplier reaches it (Opacus's calibration fails)."""
     if cfg.clipping.name == "none" or not math.isfinite(float(cfg.privacy.eps)):
         return
-    re = cfg.model.get("reattention")
-    share = float(re.eps_share) if re is not None and re.get("presence") == "private" else 0.0
+    share = reattention.histogram_share(cfg.model.get("reattention"))
     users, _ = memory.sizes(cfg.dataset)
     why = _calibration(float(cfg.privacy.eps), float(cfg.privacy.delta), int(cfg.seqrec.batch_size), users,
                        int(cfg.seqrec.epochs), str(cfg.seqrec.accountant), share)

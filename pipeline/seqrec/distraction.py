@@ -9,18 +9,19 @@ to its own test:
 1. train the configured model (``model=dpformer``) *without* noise (``clipping=none``, every other
    setting as configured): the clean model;
 2. for each eps of ``distraction.eps``, add Gaussian noise to its parameters, ``distraction.draws``
-   times, at one of two scales (``distraction.noise``):
+   times, at one of these scales (``distraction.noise``):
    - ``paper``: Re-Attention's own effective errors of a DP-SGD run at that eps (Claims 5.3-5.4:
      sigma C / B on every block weight and the position table, sigma C / (B p_i) on item row i;
      sigma the noise multiplier ``train.plan`` gives the configured private run, p_i the training
      rows' item presence, public here: this measures a model, it releases nothing);
-   - ``uniform``: N(0, ``distraction.uniform_std``^2) on every parameter alike, the spread that
-     Adam leaves between trainings that differ only in their DP noise (issue 20, point 3: about
-     the learning-rate scale for every parameter group; Adam's per-coordinate scaling flattens the
-     1 / p_i that the paper's errors predict);
+   - ``adam``: the std e_T that DP noise leaves in every parameter alike after the configured
+     run's Adam steps (``reattention.adam_errors``: the learning-rate schedule's, whatever sigma, C,
+     B and p_i, where the noise dominates the gradient; Adam's per-coordinate scaling flattens the
+     1 / p_i that the paper's errors predict, issue 20 point 3), on every parameter alike;
+   - ``uniform``: N(0, ``distraction.uniform_std``^2) on every parameter alike (a scale given by hand);
 3. on each noisy draw, forward the test users twice: with Re-Attention's correction (the model's
-   ``form``, its errors set to the ``paper`` ones of that eps, as a DP run would set them) and
-   without (``form=off``, the vanilla attention of the same noisy weights);
+   ``form``, its errors set to the scale of the noise that was added: the correction is told the
+   truth) and without (``form=off``, the vanilla attention of the same noisy weights);
 4. measure, per block, the attention mass that the last position's query (the one that predicts
    the next item; mean over heads and users) puts on positions holding items of each popularity
    bucket (items ranked by how many training users hold them: ``distraction.buckets`` are the
@@ -48,11 +49,12 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from pipeline.seqrec import evaluate, perturb, reattention, train
+from pipeline.seqrec.sequences import TAIL_USERS
 from pipeline.validation import ConfigError
 
 log = logging.getLogger(__name__)
 
-NOISES = ("paper", "uniform")
+NOISES = ("paper", "adam", "uniform")
 BUCKETS = ("tail", "torso", "head")
 VARIANTS = ("clean", "noisy", "corrected")  # no noise; noise, no correction; noise and Re-Attention's correction
 
@@ -130,17 +132,19 @@ def measure(model, seqs, cfg: DictConfig, generator: torch.Generator, bucket: to
         for noise in d.noise:
             if noise == "paper":
                 scale = (block_err, item_err)
-            else:
-                std = float(d.uniform_std)
-                scale = (std, torch.full_like(item_err, std))
+            else:  # one std for every parameter: Adam's e_T (train.adam_errors) or the one given
+                std = float(train.adam_errors(private, run_plan)[-1]) if noise == "adam" else float(d.uniform_std)
+                items = torch.full_like(item_err, std)
+                items[0] = 0.0
+                scale = (std, items)
             for draw in range(int(d.draws)):
                 noisy = perturb.noisy_copy(model, scale[0], scale[1], generator)
-                noisy.set_errors(block_err, item_err)  # what a DP run at this eps would correct for
+                noisy.set_errors(*scale)  # the correction is told the scale of the noise added
                 for variant, used in (("noisy", "off"), ("corrected", form)):
                     noisy.form = used
                     rows.append({"noise": noise, "eps": float(eps), "draw": draw, "variant": variant,
-                                 "sigma": run_plan.sigma, "block_err": block_err,
-                                 "tail_item_err": float(item_err[bucket == 0].median()),
+                                 "sigma": run_plan.sigma, "block_err": scale[0],
+                                 "tail_item_err": float(scale[1][bucket == 0].median()),
                                  **masses(noisy, inputs, target, relevant, bucket, k=k, batch=batch)})
     return pd.DataFrame(rows)
 
@@ -225,9 +229,10 @@ def run(cfg: DictConfig) -> Path:
         csv, md = out / "results.csv", out / "table.md"
         results.to_csv(csv, index=False)
         k = int(cfg.seqrec.k)
-        tail_share = float((counts[1:] < 5).double().mean())
+        tail_share = float((counts[1:] < TAIL_USERS).double().mean())
         header = (f"Attention distraction on {cfg.dataset.name} ({seqs.n_users} users, {seqs.n_items} items; "
-                  f"{tail_share:.1%} of items held by fewer than 5 training users), {train.model_name(cfg.model)} "
+                  f"{tail_share:.1%} of items held by fewer than {TAIL_USERS} training users), "
+                  f"{train.model_name(cfg.model)} "
                   f"trained without noise for {cfg.seqrec.epochs} epochs, block {blocks} of {blocks}, "
                   f"{int(d.users)} test users, mean ± 95% t half-width over {int(d.draws)} noise draws. "
                   f"Tail: the {d.buckets[0]:.0%} of items held by fewest training users.\n\n")

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
+import numpy as np
 import pandas as pd
 import torch
 from omegaconf import OmegaConf
@@ -51,6 +52,9 @@ class Plan:
         return {k: v for k, v in self.__dict__.items()}
 
 
+ADAM_BETAS = (0.9, 0.999)  # Adam's moment decays: torch's defaults (the paper, following SASRec, gives none)
+
+
 class Diverged(RuntimeError):
     """Training produced a non-finite loss or parameter: the run is FAILED, never FINISHED with NaN metrics."""
 
@@ -65,10 +69,13 @@ def model_name(cfg) -> str:
     if re is None:
         return str(cfg.name)
     parts = [str(cfg.name)]
-    if re.get("presence", "private") != "private":
+    adam = re.get("errors", "paper") == "adam"
+    if re.get("presence", "private") != "private" and not adam:  # errors=adam uses no item presence
         parts.append(f"presence-{re.presence}")
     if re.get("form", "propagated") != "propagated":
         parts.append(f"form-{re.form}")
+    if adam:
+        parts.append("errors-adam")
     if re.get("blocks") is not None:
         parts.append("blocks-" + "_".join(str(b) for b in re.blocks))
     return ":".join(parts)
@@ -100,8 +107,7 @@ def plan(cfg, n_users: int) -> Plan:
     steps = int(train.epochs) * per_epoch
     eps, delta = float(cfg.privacy.eps), float(cfg.privacy.delta)
     private = cfg.clipping.name != "none"
-    re = OmegaConf.select(cfg, "model.reattention")
-    share = float(re.eps_share) if re is not None and re.presence == "private" else 0.0
+    share = reattention.histogram_share(OmegaConf.select(cfg, "model.reattention"))
     z_hist = 0.0
     if private and math.isfinite(eps):
         if share:  # Re-Attention's private item histogram: its share of (eps, delta), basic composition
@@ -150,6 +156,14 @@ def schedule(steps: int, warmup: float) -> Callable[[int], float]:
     return factor
 
 
+def adam_errors(cfg, run_plan: Plan) -> np.ndarray:
+    """The std DP noise leaves in each parameter after each Adam step of the run (``reattention.adam_errors``
+    at this run's learning-rate schedule and ``ADAM_BETAS``): (steps,)."""
+    factor = schedule(run_plan.steps, float(cfg.seqrec.warmup))
+    lrs = [float(cfg.seqrec.lr) * factor(s) for s in range(run_plan.steps)]
+    return reattention.adam_errors(lrs, ADAM_BETAS[0])
+
+
 @dataclass
 class History:
     epoch: list[int] = field(default_factory=list)
@@ -187,13 +201,19 @@ def run(seqs, cfg, run_plan: Plan, on_epoch: Callable[[int, dict], None] | None 
     device = torch.device(device)
     torch.manual_seed(int(cfg.seed))
     model = build(cfg.model, seqs.n_items, seqs.L).to(device)
-    if cfg.model.get("reattention") is not None:  # model=dpformer: Re-Attention's effective errors
+    engine = clipping.make(cfg.clipping.name, model, cfg.clipping)
+    opt = torch.optim.Adam(model.parameters(), lr=float(train.lr), betas=ADAM_BETAS,
+                           weight_decay=float(train.weight_decay))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule(run_plan.steps, float(train.warmup)))
+    adam_errs = None  # model.reattention.errors=adam: the error after each step (reattention.adam_errors)
+    re = cfg.model.get("reattention")
+    if re is not None and re.get("errors", "paper") == "adam":
+        if run_plan.sigma > 0:
+            adam_errs = adam_errors(cfg, run_plan)
+    elif re is not None:  # model=dpformer: Re-Attention's effective errors (the paper's)
         reattention.calibrate(model, seqs.train, sigma_dp=run_plan.sigma, C=float(cfg.clipping.C),
                               batch_size=run_plan.batch_size, presence_multiplier=run_plan.presence_multiplier,
                               generator=torch.Generator().manual_seed(int(cfg.seed) + 2))
-    engine = clipping.make(cfg.clipping.name, model, cfg.clipping)
-    opt = torch.optim.Adam(model.parameters(), lr=float(train.lr), weight_decay=float(train.weight_decay))
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule(run_plan.steps, float(train.warmup)))
     gen = torch.Generator(device=device).manual_seed(int(cfg.seed) + 1)  # Poisson sampling and noise
     C = float(cfg.clipping.C)
     history = History()
@@ -216,8 +236,11 @@ def run(seqs, cfg, run_plan: Plan, on_epoch: Callable[[int, dict], None] | None 
         model.train()
         loss_sum, users, norm_sum = 0.0, 0, 0.0
         bar.set_postfix_str(f"epoch {epoch}/{train.epochs}", refresh=False)
-        for _ in range(run_plan.steps_per_epoch):
+        for i in range(run_plan.steps_per_epoch):
             bar.update()
+            if adam_errs is not None:  # the noise the present parameters carry: e_(t-1), 0 before the first step
+                done = (epoch - 1) * run_plan.steps_per_epoch + i
+                model.set_uniform_errors(adam_errs[done - 1] if done else 0.0)
             pick = (torch.rand(run_plan.n_users, generator=gen, device=device) < run_plan.sample_rate).nonzero().squeeze(1)
             batch = rows[pick]
             losses, norms = noisy_gradient(engine, model, batch[:, :-1], batch[:, 1:], sigma=run_plan.sigma, C=C,
@@ -228,6 +251,8 @@ def run(seqs, cfg, run_plan: Plan, on_epoch: Callable[[int, dict], None] | None 
             users += len(losses)
             if norms is not None:
                 norm_sum += float(norms.sum())
+        if adam_errs is not None:  # validation and, after the last epoch, evaluation: e_t after this epoch
+            model.set_uniform_errors(adam_errs[epoch * run_plan.steps_per_epoch - 1])
         if not math.isfinite(loss_sum) or not all(bool(torch.isfinite(p).all()) for p in model.parameters()):
             raise Diverged(f"training diverged in epoch {epoch}: the loss or a parameter is not finite "
                            f"(seqrec.lr = {train.lr}, clipping.C = {cfg.clipping.C}); the run ends FAILED")
