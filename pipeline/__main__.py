@@ -5,7 +5,7 @@ import sys
 import hydra
 from omegaconf import DictConfig
 
-from pipeline.validation import ConfigError
+from pipeline.validation import ConfigError, RunFailed
 
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="config")
@@ -18,15 +18,18 @@ def main(cfg: DictConfig) -> None:
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         sys.exit(2)
+    except RunFailed as err:  # the run ended FAILED with the reason as a tag (pipeline.tracking.run)
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(1)
     except KeyboardInterrupt:  # Ctrl-C: the run ended KILLED (pipeline.tracking.run); no traceback
         print("error: interrupted (Ctrl-C); the run ended KILLED", file=sys.stderr)
         sys.exit(130)
 
 
 if __name__ == "__main__":
-    from pipeline.overrides import unknown_choice
+    from pipeline.overrides import unknown_choice, unknown_key
 
-    if (message := unknown_choice(sys.argv[1:])) is not None:
+    if (message := unknown_choice(sys.argv[1:]) or unknown_key(sys.argv[1:])) is not None:
         print(f"error: {message}", file=sys.stderr)
         sys.exit(2)
     main()

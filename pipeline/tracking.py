@@ -32,6 +32,8 @@ import mlflow
 from mlflow.entities import Metric, RunStatus
 from omegaconf import DictConfig, OmegaConf
 
+from pipeline.validation import RunFailed
+
 log = logging.getLogger(__name__)
 
 SWEEP_TAG = "sweep"
@@ -143,6 +145,36 @@ def reap(cfg: DictConfig) -> int:
     return dead
 
 
+_watching = False  # whether this process already watches its parent (die_with_parent)
+
+
+def die_with_parent(poll: float = 1.0) -> bool:
+    """In a worker process that a sweep started (a joblib launcher's loky worker: multiprocessing's
+    ``parent_process`` is set), exit as soon as that parent is gone. A sweep killed with SIGKILL
+    cannot stop its workers; loky's once ran on for 10 minutes and more (4 workers and 2 resource
+    trackers, about 2.4 GB). A daemon thread compares ``os.getppid()`` with the parent's pid every
+    ``poll`` seconds (portable; Linux's PR_SET_PDEATHSIG follows the parent *thread*, which loky may
+    retire while the sweep lives). The run the worker had open stays RUNNING until the next launch
+    ends it FAILED (``reap``). Returns whether this process is watched: False in a single run and in
+    the sweep's own process, whose parent is the user's shell."""
+    import multiprocessing
+
+    global _watching
+    if multiprocessing.parent_process() is None:
+        return False
+    if not _watching:
+        parent = os.getppid()
+
+        def watch() -> None:
+            while os.getppid() == parent:
+                time.sleep(poll)
+            os._exit(1)  # the sweep is gone: nobody will read this worker's result
+
+        threading.Thread(target=watch, name="die-with-parent", daemon=True).start()
+        _watching = True
+    return True
+
+
 def output_dir() -> Path:
     """The folder of the running Hydra job (a single run's or a sweep cell's); outside a Hydra app
     (tests, notebooks), the working directory."""
@@ -213,8 +245,10 @@ def run(name: str, tags: Mapping[str, str]) -> Iterator[mlflow.ActiveRun]:
             if mlflow.active_run() is not None:
                 mlflow.end_run(RunStatus.to_string(RunStatus.KILLED))
             raise
-        except BaseException:
+        except BaseException as err:
             if mlflow.active_run() is not None:
+                reason = str(err) if isinstance(err, RunFailed) else f"{type(err).__name__}: {err}"
+                mlflow.set_tag("failed_reason", reason[:4000])
                 mlflow.end_run(RunStatus.to_string(RunStatus.FAILED))
             raise
         else:
@@ -308,6 +342,7 @@ def begin_cell(cfg: DictConfig, out: Path) -> Cell | None:
     """Start a cell in ``out``: None when a resumed sweep finds this folder already holds a
     FINISHED cell of the same config (claimed for the sweep: skip the compute); else the Cell,
     with any stale record of the folder forgotten."""
+    die_with_parent()  # a joblib worker ends with its sweep, even one killed with SIGKILL
     cell = Cell(Path(out), config_hash(cfg), current_sweep())
     if cell.sweep is not None and cell.sweep.resume and _claim(cell):
         return None

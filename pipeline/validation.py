@@ -16,6 +16,12 @@ class ConfigError(ValueError):
     """A config value the pipeline refuses; the message names the key and the value."""
 
 
+class RunFailed(RuntimeError):
+    """A run that started and then failed for a reason its message says (training diverged): the run
+    ends FAILED with the message as its ``failed_reason`` tag, the console gets one ``error:`` line
+    (no traceback), exit status 1. An unexpected exception keeps its traceback: that is a bug."""
+
+
 MAX_INT = 2**53  # counts and sizes must be exact as float64 numbers
 
 

@@ -57,7 +57,10 @@ CASES = {
     "memory_in_a_sweep": (("regime.N=1000", "trials=2,100000000", "-m"), "in the sweep cell", "trials = 100000000"),
     "report_dir_read_only": (("report.dir={ro}/report",), "report.dir", "{ro}/report"),
     "n_test_huge": (("dataset.n_test=100000000",), "dataset.n_test", "100000000"),
+    "key_typo": (("privacy.epss=0.2",), "privacy.epss", "0.2"),
+    "key_typo_in_a_sweep": (("regime.N=100,200", "regime.NN=3", "-m"), "regime.NN", "3"),
     # DPFormer (task=seqrec): settings
+    "key_typo_seqrec": ((*DPF, "seqrec.lrr=0.1"), "seqrec.lrr", "0.1"),
     "seqrec_eps_too_small": ((*DPF, "privacy.eps=1e-9"), "privacy.eps", "1e-09"),
     "seqrec_noisyhead_accountant": ((*DPF, "privacy.accountant=tight"), "privacy.accountant", "tight"),
     "seqrec_C_inf": ((*DPF, "clipping.C=inf"), "clipping.C", "inf"),

@@ -1,6 +1,8 @@
 """End to end: `python -m pipeline experiment=dpformer_ci ...` into a temporary MLflow store, every
 model and every clipping engine on tiny synthetic data; bad input refused before any run."""
 
+import re
+
 import mlflow
 import pandas as pd
 import pytest
@@ -77,12 +79,19 @@ def test_infinite_settings_are_refused_before_anything(run_cli, override):
 
 
 def test_training_that_diverges_ends_failed_with_no_results(run_cli):
-    """seqrec.lr = 1e10 is a legal number whose training goes to NaN: the run ends FAILED (not FINISHED
-    with NaN metrics), exits non-zero, and writes no results.csv."""
+    """seqrec.lr = 1e10 is a legal number whose training goes to NaN: it stops at the first step whose
+    loss or gradient is not finite and says which; the run ends FAILED with the reason as a tag (not
+    FINISHED with NaN metrics), the console gets one error: line and no traceback, exit 1, and no
+    results.csv is written."""
     proc = run_cli(*TINY, "seqrec.lr=1e10", expect_ok=False)
-    assert proc.returncode != 0 and "training diverged in epoch 1" in proc.stderr, proc.stderr[-2000:]
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert proc.returncode == 1 and len(errors) == 1, proc.stderr[-2000:]
+    assert re.match(r"error: training diverged at step \d+ of \d+ \(epoch 1\): the (loss|gradient) is not finite",
+                    errors[0]), errors
+    assert "Traceback" not in proc.stderr and "HYDRA_FULL_ERROR" not in proc.stderr, proc.stderr[-2000:]
     found = runs(run_cli.store)[1]
     assert [r.info.status for r in found] == ["FAILED"]
+    assert found[0].data.tags["failed_reason"] == errors[0][len("error: "):]
     assert not (run_cli.tmp / "run" / "results.csv").exists()
 
 

@@ -182,6 +182,48 @@ def test_sigterm_stops_a_joblib_sweep_its_workers_and_its_runs(tmp_path):
     assert [r.info.status for r in found] == ["KILLED", "KILLED"]
 
 
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="reads /proc for the workers")
+def test_sigkill_of_a_joblib_sweep_takes_its_workers_and_the_next_launch_ends_their_runs(tmp_path):
+    """SIGKILL leaves the sweep no chance to stop anything: its loky workers once computed on for 10
+    minutes and more (tracking.die_with_parent). They now exit within seconds, and the next launch
+    into the store ends the runs they held FAILED (tracking.reap)."""
+    store = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    cmd = [sys.executable, "-m", "pipeline", f"mlflow.tracking_uri={store}", f"hydra.sweep.dir={tmp_path / 'sweep'}",
+           "regime=overparam", "trials=400", "regime.N=1000,1001", "hydra/launcher=joblib", "hydra.launcher.n_jobs=2", "-m"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)
+    workers = []
+    try:
+        deadline = time.time() + 300
+        while time.time() < deadline and proc.poll() is None:  # until both cells are inside their runs
+            time.sleep(0.5)
+            try:
+                if sum("data.seed" in r.data.params for r in all_runs(store)[1]) == 2:
+                    break
+            except Exception:  # the store is still being created
+                continue
+        workers = _descendants(proc.pid)
+        assert workers and proc.poll() is None
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+        deadline = time.time() + 30
+        while time.time() < deadline and [pid for pid in workers if _alive(pid)]:
+            time.sleep(0.5)
+        assert not [(pid, open(f"/proc/{pid}/cmdline").read()) for pid in workers if _alive(pid)]
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        for pid in workers:
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
+    _, found = all_runs(store)
+    assert [r.info.status for r in found] == ["RUNNING", "RUNNING"]  # the two cells' runs, their owners gone
+    subprocess.run([sys.executable, "-m", "pipeline", f"mlflow.tracking_uri={store}", f"hydra.run.dir={tmp_path / 'one'}",
+                    "regime.N=40", "trials=2"], cwd=ROOT, env=ENV, capture_output=True, timeout=300, check=True)
+    statuses = sorted(r.info.status for r in all_runs(store)[1])
+    assert statuses == ["FAILED", "FAILED", "FINISHED"], statuses
+
+
 @pytest.mark.parametrize("sweep_id", ["6e123456", "00001234"])
 def test_a_sweep_id_that_looks_like_a_number_still_matches_its_cells(run_cli, sweep_id):
     """A random hex id such as 6e123456 (about 3% of them) once reached the cells as the float inf,

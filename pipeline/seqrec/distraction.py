@@ -50,7 +50,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from pipeline.seqrec import evaluate, perturb, reattention, train
 from pipeline.seqrec.sequences import TAIL_USERS
-from pipeline.validation import ConfigError
+from pipeline.validation import ConfigError, RunFailed
 
 log = logging.getLogger(__name__)
 
@@ -268,14 +268,17 @@ def main() -> None:
         except ConfigError as err:
             print(f"error: {err}", file=sys.stderr)
             sys.exit(2)
+        except RunFailed as err:
+            print(f"error: {err}", file=sys.stderr)
+            sys.exit(1)
 
     _main()
 
 
 if __name__ == "__main__":
-    from pipeline.overrides import unknown_choice
+    from pipeline.overrides import unknown_choice, unknown_key
 
-    if (message := unknown_choice(sys.argv[1:])) is not None:
+    if (message := unknown_choice(sys.argv[1:]) or unknown_key(sys.argv[1:], "distraction")) is not None:
         print(f"error: {message}", file=sys.stderr)
         sys.exit(2)
     main()

@@ -27,6 +27,7 @@ from omegaconf import OmegaConf
 from tqdm import tqdm
 
 from pipeline import privacy
+from pipeline.validation import RunFailed
 from pipeline.seqrec import checkpoint as checkpoints
 from pipeline.seqrec import clipping, models, reattention
 
@@ -55,7 +56,7 @@ class Plan:
 ADAM_BETAS = (0.9, 0.999)  # Adam's moment decays: torch's defaults (the paper, following SASRec, gives none)
 
 
-class Diverged(RuntimeError):
+class Diverged(RunFailed):
     """Training produced a non-finite loss or parameter: the run is FAILED, never FINISHED with NaN metrics."""
 
 
@@ -141,6 +142,12 @@ def noisy_gradient(engine, model, ids, targets, *, sigma: float, C: float, expec
             g = g + sigma * C * torch.randn(p.shape, generator=generator, dtype=p.dtype, device=p.device)
         p.grad = g / expected_batch
     return losses, norms
+
+
+def finite_gradients(model) -> bool:
+    """Whether every gradient DP-SGD left in ``p.grad`` is finite (one reduction, one device sync)."""
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    return not grads or bool(torch.stack([torch.isfinite(g).all() for g in grads]).all())
 
 
 def schedule(steps: int, warmup: float) -> Callable[[int], float]:
@@ -238,23 +245,28 @@ def run(seqs, cfg, run_plan: Plan, on_epoch: Callable[[int, dict], None] | None 
         bar.set_postfix_str(f"epoch {epoch}/{train.epochs}", refresh=False)
         for i in range(run_plan.steps_per_epoch):
             bar.update()
+            done = (epoch - 1) * run_plan.steps_per_epoch + i  # steps taken before this one
             if adam_errs is not None:  # the noise the present parameters carry: e_(t-1), 0 before the first step
-                done = (epoch - 1) * run_plan.steps_per_epoch + i
                 model.set_uniform_errors(adam_errs[done - 1] if done else 0.0)
             pick = (torch.rand(run_plan.n_users, generator=gen, device=device) < run_plan.sample_rate).nonzero().squeeze(1)
             batch = rows[pick]
             losses, norms = noisy_gradient(engine, model, batch[:, :-1], batch[:, 1:], sigma=run_plan.sigma, C=C,
                                            expected_batch=run_plan.batch_size, generator=gen)
+            step_loss = float(losses.sum())
+            if not math.isfinite(step_loss) or not finite_gradients(model):
+                what = "loss" if not math.isfinite(step_loss) else "gradient"
+                raise Diverged(f"training diverged at step {done + 1} of {run_plan.steps} (epoch {epoch}): the {what} "
+                               f"is not finite (seqrec.lr = {train.lr}, clipping.C = {cfg.clipping.C}); the run ends FAILED")
             opt.step()
             sched.step()
-            loss_sum += float(losses.sum())
+            loss_sum += step_loss
             users += len(losses)
             if norms is not None:
                 norm_sum += float(norms.sum())
         if adam_errs is not None:  # validation and, after the last epoch, evaluation: e_t after this epoch
             model.set_uniform_errors(adam_errs[epoch * run_plan.steps_per_epoch - 1])
-        if not math.isfinite(loss_sum) or not all(bool(torch.isfinite(p).all()) for p in model.parameters()):
-            raise Diverged(f"training diverged in epoch {epoch}: the loss or a parameter is not finite "
+        if not all(bool(torch.isfinite(p).all()) for p in model.parameters()):
+            raise Diverged(f"training diverged in epoch {epoch}: a parameter is not finite "
                            f"(seqrec.lr = {train.lr}, clipping.C = {cfg.clipping.C}); the run ends FAILED")
         history.epoch.append(epoch)
         history.loss.append(loss_sum / max(users, 1))
