@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import shlex
 import shutil
 import sys
@@ -79,7 +80,8 @@ def publish(config: DictConfig, artifacts: Sequence[str | Path], metrics: dict) 
             (out / Path(path).name).write_text(reporting.stable(Path(path).read_text(encoding="utf-8")), encoding="utf-8")
         else:
             shutil.copyfile(path, out / Path(path).name)
-    (out / "metrics.json").write_text(json.dumps(metrics, indent=2, sort_keys=True) + "\n")
+    finite = {k: v for k, v in metrics.items() if not (isinstance(v, float) and not math.isfinite(v))}  # JSON has no NaN
+    (out / "metrics.json").write_text(json.dumps(finite, indent=2, sort_keys=True, allow_nan=False) + "\n")
 
 
 def short_key(key: str) -> str:

@@ -123,3 +123,24 @@ def test_a_stage_depends_on_every_module_it_loads(stage):
         assert not any(f.startswith("pipeline/noisyhead") for f in loaded) and "pipeline/noisyhead" not in deps
     else:
         assert not any(d.startswith("pipeline/seqrec") for d in deps) and not any("seqrec" in f for f in loaded)
+
+
+def _no_constant(name):
+    raise ValueError(f"{name} is not JSON")
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "artifacts").glob("*/metrics.json")), ids=lambda p: p.parent.name)
+def test_committed_metrics_are_strict_json(path):
+    """dvc metrics and every JSON reader but Python's reject NaN and Infinity (a metric a method does not
+    have, such as the zero predictor's attack risk, is left out, not written as NaN)."""
+    metrics = json.loads(path.read_text(), parse_constant=_no_constant)
+    assert metrics and all(isinstance(v, (int, float)) for v in metrics.values())
+
+
+def test_publish_leaves_out_what_json_cannot_hold(tmp_path):
+    from omegaconf import OmegaConf
+
+    from pipeline import sweep
+
+    sweep.publish(OmegaConf.create({"report": {"dir": str(tmp_path)}}), [], {"a": 1.5, "b": float("nan"), "c": float("inf"), "n": 3})
+    assert json.loads((tmp_path / "metrics.json").read_text(), parse_constant=_no_constant) == {"a": 1.5, "n": 3}

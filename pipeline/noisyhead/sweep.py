@@ -25,6 +25,8 @@ def metrics(results: pd.DataFrame, config: DictConfig) -> dict:
     for method, rows in plot.shown(results, config.plot).groupby("method"):
         for coupling, sub in rows.groupby(rows["coupling"].fillna("")):
             for y in plot.measures(config.plot):
+                if sub[f"{y}_mean"].isna().all():  # a measure the method has not (the zero predictor's attack risk)
+                    continue
                 key = f"{method}{'_' + coupling if coupling else ''}_{y}_mean"
                 metrics[f"{key}_min"] = float(sub[f"{y}_mean"].min())
                 metrics[f"{key}_max"] = float(sub[f"{y}_mean"].max())
