@@ -248,3 +248,22 @@ def test_one_trial_gives_no_interval_rather_than_a_zero_width_one():
     assert one["excess_risk_mean"] == 0.3 and math.isnan(one["excess_risk_ci_low"]) and math.isnan(one["excess_risk_ci_high"])
     two = evaluate.summarize(torch.tensor([0.3, 0.5], dtype=torch.float64), 0.95, "excess_risk")
     assert two["excess_risk_ci_low"] < 0.4 < two["excess_risk_ci_high"]
+
+
+def test_help_says_first_what_the_project_is(run_cli):
+    proc = run_cli("--help")
+    first = proc.stdout.splitlines()[0]
+    assert first.startswith("Experiments on differentially private attention: NoisyHead"), first
+    assert "DPFormer" in proc.stdout.split("\n\n")[0] and "== Configuration groups ==" in proc.stdout
+
+
+def test_key_check_leaves_valid_keys_sweeps_and_additions_alone():
+    from pipeline.overrides import unknown_key
+
+    assert unknown_key(["privacy.eps=0.5", "regime.N=100,200", "+extra.key=1", "hydra.run.dir=/tmp/x", "-m"]) is None
+    assert unknown_key(["experiment=dpformer_ci", "model=dpformer", "model.reattention.form=off,paper", "-m"]) is None
+    assert unknown_key(["regime.N=range(1,3)"]) is None  # a sweep function: its first value is checked
+    assert unknown_key(["--cfg", "job", "privacy.epss=1"]) is None  # other flags: Hydra's to judge
+    message = unknown_key(["experiment=dpformer_ci", "model=dpformer", "model.reattention.errorz=adam"])
+    assert message.startswith("model.reattention.errorz=adam: model.reattention.errorz is not a key")
+    assert message.endswith("did you mean model.reattention.errors?")
