@@ -4,6 +4,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import mlflow
 import pytest
 import torch
 from hydra import compose, initialize_config_dir
@@ -20,6 +21,18 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.get_closest_marker("cuda") is not None:
             item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def _tracking_uri_restored():
+    """Whatever MLflow tracking URI a test sets (``tracking.setup`` sets it process-wide) is undone
+    after it, so that no test depends on the ones before it."""
+    from mlflow.tracking._tracking_service import utils
+
+    before = utils._tracking_uri  # None when unset (MLflow has no public getter that says so)
+    yield
+    if utils._tracking_uri != before:
+        mlflow.set_tracking_uri(before)
 
 
 @pytest.fixture

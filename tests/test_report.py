@@ -101,7 +101,7 @@ def test_experiment_opens_as_a_machine_learning_experiment(tmp_path):
         experiment = mlflow.MlflowClient().get_experiment_by_name("e")
         assert experiment.tags[tracking.KIND_TAG] == "custom_model_development"
     finally:
-        mlflow.set_tracking_uri("")
+        mlflow.set_tracking_uri(None)  # unset, as before ("" would leave the refused ./mlruns file store set)
 
 
 def test_series_at_one_x_are_dodged_symmetrically():
