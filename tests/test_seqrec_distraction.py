@@ -71,19 +71,24 @@ def test_masses_sum_to_one_and_match_uniform_attention_in_closed_form():
     assert got["b2_relevant"] == pytest.approx(float(expect), abs=1e-6)
 
 
-def test_without_noise_the_noisy_variant_is_the_clean_model():
+def setting(seed, distraction, **seqrec):
+    """Sequences of 60 users and the config ``distraction.measure`` reads (phantom, eps 8, B 20)."""
     from pipeline.seqrec.sequences import Sequences
 
-    r = rows(seed=5, users=60)
+    r = rows(seed=seed, users=60)
     seqs = Sequences(n_items=M, train=r, valid_input=r[:, :-1], valid_target=r[:, -1], test_input=r[:, 1:],
                      test_target=r[:, -1], popularity=torch.bincount(r.flatten(), minlength=M + 1))
     cfg = OmegaConf.create({
         "seed": 0, "clipping": {"name": "phantom", "C": 1.0},
         "privacy": {"eps": 8.0, "delta": 1e-5},
-        "seqrec": {"k": 5, "eval_batch": 16, "batch_size": 20, "epochs": 1, "accountant": "rdp"},
+        "seqrec": {"k": 5, "eval_batch": 16, "batch_size": 20, "epochs": 1, "accountant": "rdp", **seqrec},
         "model": {"reattention": {"presence": "public", "form": "propagated"}},
-        "distraction": {"eps": [8.0], "noise": ["uniform"], "uniform_std": 1e-12, "draws": 2, "users": 50,
-                        "buckets": [0.5, 0.9]}})
+        "distraction": {"draws": 2, "users": 50, "buckets": [0.5, 0.9], **distraction}})
+    return seqs, cfg
+
+
+def test_without_noise_the_noisy_variant_is_the_clean_model():
+    seqs, cfg = setting(5, {"eps": [8.0], "noise": ["uniform"], "uniform_std": 1e-12})
     m = model()
     out = distraction.measure(m, seqs, cfg, torch.Generator().manual_seed(0))
     clean = out[out.variant == "clean"].iloc[0]
@@ -96,19 +101,9 @@ def test_without_noise_the_noisy_variant_is_the_clean_model():
 
 def test_adam_noise_is_the_runs_adam_error_at_every_eps_and_the_correction_is_told_it():
     from pipeline.seqrec import train
-    from pipeline.seqrec.sequences import Sequences
 
-    r = rows(seed=6, users=60)
-    seqs = Sequences(n_items=M, train=r, valid_input=r[:, :-1], valid_target=r[:, -1], test_input=r[:, 1:],
-                     test_target=r[:, -1], popularity=torch.bincount(r.flatten(), minlength=M + 1))
-    cfg = OmegaConf.create({
-        "seed": 0, "clipping": {"name": "phantom", "C": 1.0},
-        "privacy": {"eps": 8.0, "delta": 1e-5},
-        "seqrec": {"k": 5, "eval_batch": 16, "batch_size": 20, "epochs": 3, "accountant": "rdp", "lr": 0.01,
-                   "warmup": 0.2},
-        "model": {"reattention": {"presence": "public", "form": "propagated"}},
-        "distraction": {"eps": [1.0, 8.0], "noise": ["adam", "paper"], "uniform_std": 0.0, "draws": 2, "users": 50,
-                        "buckets": [0.5, 0.9]}})
+    seqs, cfg = setting(6, {"eps": [1.0, 8.0], "noise": ["adam", "paper"], "uniform_std": 0.0},
+                        epochs=3, lr=0.01, warmup=0.2)
     plan = train.plan(cfg, seqs.n_users)
     expect = float(train.adam_errors(cfg, plan)[-1])
     assert plan.steps == 9 and 0.01 < expect < 0.05

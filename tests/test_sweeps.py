@@ -151,22 +151,28 @@ def _alive(pid):
         return False
 
 
-@pytest.mark.skipif(not os.path.isdir("/proc"), reason="reads /proc for the workers")
-def test_sigterm_stops_a_joblib_sweep_its_workers_and_its_runs(tmp_path):
+def _joblib_sweep_inside_its_cells(tmp_path):
+    """A 2-cell joblib sweep (its own process group), once both cells are inside their runs:
+    (process, store, the sweep's descendant pids: its workers and loky's resource tracker)."""
     store = f"sqlite:///{tmp_path / 'mlflow.db'}"
     cmd = [sys.executable, "-m", "pipeline", f"mlflow.tracking_uri={store}", f"hydra.sweep.dir={tmp_path / 'sweep'}",
            "regime=overparam", "trials=400", "regime.N=1000,1001", "hydra/launcher=joblib", "hydra.launcher.n_jobs=2", "-m"]
     proc = subprocess.Popen(cmd, cwd=ROOT, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             start_new_session=True)
     deadline = time.time() + 300
-    while time.time() < deadline and proc.poll() is None:  # until both cells are inside their runs
+    while time.time() < deadline and proc.poll() is None:
         time.sleep(0.5)
         try:
             if sum("data.seed" in r.data.params for r in all_runs(store)[1]) == 2:
                 break
         except Exception:  # the store is still being created
             continue
-    workers = _descendants(proc.pid)
+    return proc, store, _descendants(proc.pid)
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="reads /proc for the workers")
+def test_sigterm_stops_a_joblib_sweep_its_workers_and_its_runs(tmp_path):
+    proc, store, workers = _joblib_sweep_inside_its_cells(tmp_path)
     assert workers
     os.kill(proc.pid, signal.SIGTERM)
     try:
@@ -187,22 +193,8 @@ def test_sigkill_of_a_joblib_sweep_takes_its_workers_and_the_next_launch_ends_th
     """SIGKILL leaves the sweep no chance to stop anything: its loky workers once computed on for 10
     minutes and more (tracking.die_with_parent). They now exit within seconds, and the next launch
     into the store ends the runs they held FAILED (tracking.reap)."""
-    store = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    cmd = [sys.executable, "-m", "pipeline", f"mlflow.tracking_uri={store}", f"hydra.sweep.dir={tmp_path / 'sweep'}",
-           "regime=overparam", "trials=400", "regime.N=1000,1001", "hydra/launcher=joblib", "hydra.launcher.n_jobs=2", "-m"]
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            start_new_session=True)
-    workers = []
+    proc, store, workers = _joblib_sweep_inside_its_cells(tmp_path)
     try:
-        deadline = time.time() + 300
-        while time.time() < deadline and proc.poll() is None:  # until both cells are inside their runs
-            time.sleep(0.5)
-            try:
-                if sum("data.seed" in r.data.params for r in all_runs(store)[1]) == 2:
-                    break
-            except Exception:  # the store is still being created
-                continue
-        workers = _descendants(proc.pid)
         assert workers and proc.poll() is None
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait(timeout=30)
