@@ -8,6 +8,13 @@ from omegaconf import DictConfig
 from pipeline.validation import ConfigError, RunFailed
 
 
+def _in_a_sweep() -> bool:
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    return HydraConfig.get().mode == RunMode.MULTIRUN
+
+
 @hydra.main(version_base="1.3", config_path="../conf", config_name="config")
 def main(cfg: DictConfig) -> None:
     from pipeline import preflight, tasks  # here: a refused config does not wait for MLflow and plotting to load
@@ -19,6 +26,8 @@ def main(cfg: DictConfig) -> None:
         print(f"error: {err}", file=sys.stderr)
         sys.exit(2)
     except RunFailed as err:  # the run ended FAILED with the reason as a tag (pipeline.tracking.run)
+        if _in_a_sweep():
+            raise  # Hydra records the cell FAILED and the sweep goes on (SystemExit would stop the sweep)
         print(f"error: {err}", file=sys.stderr)
         sys.exit(1)
     except KeyboardInterrupt:  # Ctrl-C: the run ended KILLED (pipeline.tracking.run); no traceback

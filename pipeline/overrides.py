@@ -79,16 +79,23 @@ def unknown_key(argv: Sequence[str], config_name: str = "config") -> str | None:
     except Exception:  # a syntax error: Hydra's message says where
         return None
     first: list[str] = []
+    choices: list[str] = []  # the overrides that choose the config's shape: group options, additions, deletions
     for o in parsed:
         if o.key_or_group.startswith("hydra"):
             continue
         if o.is_sweep_override():
-            values = list(o.sweep_string_iterator()) if o.is_discrete_sweep() else []
+            try:
+                values = list(o.sweep_string_iterator()) if o.is_discrete_sweep() else []
+            except Exception:  # a sweep function Hydra evaluates later (glob): Hydra's to judge
+                return None
             if not values:
                 return None
-            first.append(f"{o.get_key_element()}={values[0]}")
+            line = f"{o.get_key_element()}={values[0]}"
         else:
-            first.append(o.input_line)
+            line = o.input_line
+        first.append(line)
+        if "." not in o.key_or_group or o.get_key_element()[:1] in "+~":
+            choices.append(line)
     try:
         _compose(config_name, first)
         return None
@@ -101,15 +108,16 @@ def unknown_key(argv: Sequence[str], config_name: str = "config") -> str | None:
         return None
     line = next(o.input_line for o in parsed if o.key_or_group == key)
     parent, _, leaf = key.rpartition(".")
-    try:
-        rest = _compose(config_name, [f for f in first if not f.startswith(f"{key}=")])
-        node = OmegaConf.select(rest, parent) if parent else rest
+    try:  # the config's shape without any value override (another may be a typo too)
+        node = OmegaConf.select(_compose(config_name, choices), parent) if parent else _compose(config_name, choices)
     except Exception:
         node = None
-    where = f"{parent} has" if parent else "the config has"
-    if not isinstance(node, DictConfig):
+    if node is not None and not isinstance(node, DictConfig):
+        return f"{line}: {key} is not a key of the config ({parent} is a value, not a section of keys)"
+    if node is None:
         return f"{line}: {key} is not a key of the config ({parent} is not one either); to add it, use +{line}"
     keys = sorted(str(k) for k in node.keys())
     close = difflib.get_close_matches(leaf, keys, n=1)
     hint = f"; did you mean {parent + '.' if parent else ''}{close[0]}?" if close else ""
+    where = f"{parent} has" if parent else "the config has"
     return f"{line}: {key} is not a key of the config ({where}: {', '.join(keys)}){hint}"

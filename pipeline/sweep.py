@@ -81,6 +81,8 @@ def publish(config: DictConfig, artifacts: Sequence[str | Path], metrics: dict) 
         else:
             shutil.copyfile(path, out / Path(path).name)
     finite = {k: v for k, v in metrics.items() if not (isinstance(v, float) and not math.isfinite(v))}  # JSON has no NaN
+    if dropped := sorted(set(metrics) - set(finite)):
+        log.warning("metrics.json leaves out %d value(s) that are not finite: %s", len(dropped), ", ".join(dropped))
     (out / "metrics.json").write_text(json.dumps(finite, indent=2, sort_keys=True, allow_nan=False) + "\n")
 
 

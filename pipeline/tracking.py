@@ -160,10 +160,11 @@ def die_with_parent(poll: float = 1.0) -> bool:
     import multiprocessing
 
     global _watching
-    if multiprocessing.parent_process() is None:
+    spawner = multiprocessing.parent_process()
+    if spawner is None:
         return False
     if not _watching:
-        parent = os.getppid()
+        parent = spawner.pid  # not os.getppid(): the sweep may already be gone (then this is 1)
 
         def watch() -> None:
             while os.getppid() == parent:
@@ -248,7 +249,10 @@ def run(name: str, tags: Mapping[str, str]) -> Iterator[mlflow.ActiveRun]:
         except BaseException as err:
             if mlflow.active_run() is not None:
                 reason = str(err) if isinstance(err, RunFailed) else f"{type(err).__name__}: {err}"
-                mlflow.set_tag("failed_reason", reason[:4000])
+                try:
+                    mlflow.set_tag("failed_reason", reason[:4000])
+                except Exception:  # the store itself may be what failed: the run still ends FAILED
+                    log.warning("could not tag the failed run with its reason: %s", reason[:200])
                 mlflow.end_run(RunStatus.to_string(RunStatus.FAILED))
             raise
         else:

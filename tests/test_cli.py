@@ -264,6 +264,10 @@ def test_key_check_leaves_valid_keys_sweeps_and_additions_alone():
     assert unknown_key(["experiment=dpformer_ci", "model=dpformer", "model.reattention.form=off,paper", "-m"]) is None
     assert unknown_key(["regime.N=range(1,3)"]) is None  # a sweep function: its first value is checked
     assert unknown_key(["--cfg", "job", "privacy.epss=1"]) is None  # other flags: Hydra's to judge
+    assert unknown_key(["-m", "method=glob(*)"]) is None  # a sweep function Hydra resolves later
+    two = unknown_key(["privacy.epss=1", "privacy.deltaa=2"])  # the first is named, its section listed
+    assert two.startswith("privacy.epss=1: ") and "(privacy has: accountant, delta, eps)" in two, two
+    assert unknown_key(["privacy.eps.foo=1"]).endswith("(privacy.eps is a value, not a section of keys)")
     message = unknown_key(["experiment=dpformer_ci", "model=dpformer", "model.reattention.errorz=adam"])
     assert message.startswith("model.reattention.errorz=adam: model.reattention.errorz is not a key")
     assert message.endswith("did you mean model.reattention.errors?")

@@ -126,9 +126,25 @@ def test_a_run_corrects_for_the_error_its_parameters_carry_at_each_step(cfg_for,
     for epoch in range(2):
         want += [0.0 if epoch == s == 0 else float(expect[epoch * per + s - 1]) for s in range(per)]
         want.append(float(expect[(epoch + 1) * per - 1]))
+    want.append(float(expect[-1]))  # and once more when training returns (a resumed run may skip every epoch)
     assert seen == pytest.approx(want, rel=1e-12)
     assert model.block_err == pytest.approx(expect[-1], rel=1e-12)
     assert model.item_err[0] == 0 and torch.allclose(model.item_err[1:], torch.tensor(expect[-1], dtype=model.item_err.dtype))
+
+
+def test_a_run_resumed_after_its_last_epoch_still_corrects_with_e_T(cfg_for, tmp_path):
+    """The errors are not checkpointed (a buffer and an attribute): a run killed after its last epoch and
+    relaunched restores every epoch and must still evaluate with e_T, not as a plain Transformer."""
+    from pipeline.seqrec import data
+
+    cfg = cfg_for(*TINY)
+    seqs = data.load(cfg.dataset, int(cfg.dataset.L), 0)
+    plan = train.plan(cfg, seqs.n_users)
+    path = tmp_path / "checkpoint.pt"
+    train.run(seqs, cfg, plan, checkpoint=path, digest="d")
+    resumed, history = train.run(seqs, cfg, plan, checkpoint=path, resume=True, digest="d")
+    assert history.resumed_from == 2
+    assert resumed.block_err == pytest.approx(train.adam_errors(cfg, plan)[-1], rel=1e-12) and resumed.active
 
 
 def test_no_histogram_no_eps_share_and_a_name_of_its_own(cfg_for):

@@ -95,6 +95,18 @@ def test_training_that_diverges_ends_failed_with_no_results(run_cli):
     assert not (run_cli.tmp / "run" / "results.csv").exists()
 
 
+def test_a_diverging_cell_fails_alone_and_the_sweep_goes_on(run_cli):
+    """In a sweep, a cell whose training diverges ends FAILED and is named; the other cells run, the
+    summary is written from them, and the sweep exits 1 (a SystemExit from the cell once stopped it)."""
+    proc = run_cli(*TINY, "seqrec.lr=1e10,0.01", "-m", expect_ok=False)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 1 and "1 of 2 cells failed" in out and "training diverged at step" in out, out[-3000:]
+    results = pd.read_csv(run_cli.tmp / "sweep" / "results.csv")
+    assert set(results["lr"]) == {0.01}
+    statuses = sorted(r.info.status for r in runs(run_cli.store)[1])
+    assert statuses == ["FAILED", "FINISHED", "FINISHED"], statuses  # the two cells and the sweep's parent run
+
+
 def test_missing_data_file_refused(run_cli):
     proc = run_cli("experiment=dpformer_movielens", "dataset.path=/nonexistent/ratings.dat", expect_ok=False)
     assert proc.returncode == 2 and proc.stderr.count("error:") == 1 and "dataset.path" in proc.stderr

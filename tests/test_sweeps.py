@@ -159,14 +159,12 @@ def _joblib_sweep_inside_its_cells(tmp_path):
            "regime=overparam", "trials=400", "regime.N=1000,1001", "hydra/launcher=joblib", "hydra.launcher.n_jobs=2", "-m"]
     proc = subprocess.Popen(cmd, cwd=ROOT, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             start_new_session=True)
+    logs = [tmp_path / "sweep" / str(i) / "__main__.log" for i in (0, 1)]
     deadline = time.time() + 300
-    while time.time() < deadline and proc.poll() is None:
-        time.sleep(0.5)
-        try:
-            if sum("data.seed" in r.data.params for r in all_runs(store)[1]) == 2:
-                break
-        except Exception:  # the store is still being created
-            continue
+    while time.time() < deadline and proc.poll() is None:  # each cell's log says it fitted inside its run
+        time.sleep(0.5)  # (the store is not read meanwhile: a client here racing the sweep to create it failed the sweep)
+        if all(log.is_file() and "train: ridge fitted" in log.read_text() for log in logs):
+            break
     return proc, store, _descendants(proc.pid)
 
 

@@ -286,4 +286,6 @@ def run(seqs, cfg, run_plan: Plan, on_epoch: Callable[[int, dict], None] | None 
         if on_epoch is not None:
             on_epoch(epoch, metrics)
     bar.close()
+    if adam_errs is not None:  # also when a resumed run found every epoch done (its buffers are not checkpointed)
+        model.set_uniform_errors(adam_errs[-1])
     return model, history
