@@ -119,7 +119,8 @@ def gains(results: pd.DataFrame, long: pd.DataFrame, k: int, paper: float, level
     test = results[(results["split"] == "test") & (results["clipping"] != "none")]
     shown = long[long["model"] != "popular"].set_index(["model", "eps"])
     out = []
-    variants = [m for m in dict.fromkeys(test["method"]) if str(m).startswith("dpformer") and m != reference]
+    variants = [m for m in dict.fromkeys(test["method"]) if str(m).startswith("dpformer") and m != reference
+                and not ("form-off" in str(m) and "form-off" in reference)]  # uncorrected controls: no gain to take
     for variant in variants:
         for e in sorted(test["eps"].unique(), key=lambda x: (math.isinf(x), x)):
             if (variant, e) not in shown.index or (reference, e) not in shown.index:
