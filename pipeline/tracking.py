@@ -207,20 +207,39 @@ def ui_address(cfg: DictConfig, run_id: str) -> str:
     return f"{page}  (after: mlflow ui --backend-store-uri {mlflow.get_tracking_uri()})"
 
 
+DISPLAY_DIGITS = 6  # significant digits of the headline metrics the runs table shows (results.csv keeps every digit)
+
+
+def for_display(metrics: Mapping[str, float]) -> dict[str, float]:
+    """The headline metrics rounded to ``DISPLAY_DIGITS`` significant digits: MLflow's table prints
+    a float as stored, so a HIT@10 of 29 computed in float32 read 28.9999999."""
+    return {k: float(f"{float(v):.{DISPLAY_DIGITS}g}") for k, v in metrics.items()}
+
+
 VIEW_TAG = "mlflow.sharedViewState."  # + a key: an experiment tag MLflow's UI opens as a "shared view"
 
 
 def share_view(parent: str, sweep: str, params: list[str], metrics: list[str]) -> str:
-    """A runs-table view of a sweep that MLflow's UI opens with ``?viewStateShareKey=<sweep>``: the
-    sweep's cells (filtered by their ``sweep`` tag), the given params and metrics as columns.
-    MLflow keeps a user's column choice in the browser only; a shared view is the one setting a
-    server can carry. The view is the JSON UI state MLflow's "Share" button stores as the
-    experiment tag ``mlflow.sharedViewState.<key>``. Returns the experiment id."""
-    experiment = mlflow.get_run(parent).info.experiment_id
-    columns = [f"params.`{k}`" for k in params] + [f"metrics.`{k}`" for k in metrics]
-    state = {"selectedColumns": columns, "searchFilter": f"tags.{SWEEP_TAG} = '{sweep}' and tags.kind = 'cell'",
-             "orderByKey": "attributes.start_time", "orderByAsc": True}
-    mlflow.MlflowClient().set_experiment_tag(experiment, VIEW_TAG + sweep, json.dumps(state))
+    """A runs-table view of a sweep that MLflow's UI opens with ``?viewStateShareKey=<sweep>``: one
+    row per cell (filtered by the ``sweep`` tag), unfolded, in run-name order; as columns, those of
+    ``params`` whose value differs between the cells (all of them for a one-cell sweep), then
+    ``metrics`` (logged rounded for display: ``for_display``). At 1280 px beside MLflow's assistant
+    panel the table shows about five columns: the constant params would push the measures off
+    screen (each run's page lists them). MLflow keeps a user's column choice in the browser only;
+    a shared view is the one setting a server can carry: the JSON UI state MLflow's "Share" button
+    stores as the experiment tag ``mlflow.sharedViewState.<key>``. Returns the experiment id."""
+    client = mlflow.MlflowClient()
+    experiment = client.get_run(parent).info.experiment_id
+    query = f"tags.{SWEEP_TAG} = '{sweep}' and tags.kind = 'cell'"
+    cells = client.search_runs([experiment], filter_string=query, max_results=10000)
+    varying = [k for k in params if len({c.data.params.get(k) for c in cells}) > 1]
+    columns = [f"params.`{k}`" for k in (varying or params)] + [f"metrics.`{k}`" for k in metrics]
+    widths = {c: 80 if c.startswith("params.") else 130 for c in columns}  # px; MLflow's default is 150
+    state = {"selectedColumns": columns, "columnOrder": columns, "columnWidths": widths, "searchFilter": query,
+             # ordered by run name: MLflow's table folds child runs under their parent (a click to
+             # open them; a shared view cannot carry runsExpanded) only when it orders by start time
+             "orderByKey": "tags.`mlflow.runName`", "orderByAsc": True}
+    client.set_experiment_tag(experiment, VIEW_TAG + sweep, json.dumps(state))
     return experiment
 
 

@@ -136,21 +136,28 @@ def test_runs_table_and_run_page_in_chromium(sweep, server, shots, tmp_path):
 
 def test_the_printed_runs_table_link_shows_the_swept_values_and_headline_metrics(sweep, server, shots, tmp_path):
     """The sweep prints a link to its runs table in a shared view (MLflow keeps a user's own column
-    choice in the browser only): the sweep's cells, with N, eps, T, B and excess risk as columns."""
+    choice in the browser only). At 1280 px, with no click: one row per cell, unfolded, named by its
+    swept value, with the swept param N and the headline excess risks (rounded) as columns."""
     _, _, proc = sweep
     link = re.search(r"the sweep's runs table: http://\S+?(/#/experiments/\S+)", proc.stdout)
     assert link and "viewStateShareKey=" in link.group(1), proc.stdout[-1500:]
-    dom = render(server + link.group(1), shots / "runs_table_view.png", tmp_path / "profile4", size="1920,800")
+    dom = render(server + link.group(1), shots / "runs_table_view.png", tmp_path / "profile4")  # 1280 x 800
     text = visible_text(dom)
     assert "shared view" in text  # MLflow's banner: the view came from the server
-    header = re.search(r"Run Name.*?sweep lowdim \(2 cells\)", text)  # the column headers, then the sweep's row
-    assert header, text[-1500:]
-    for shown in ("excess_risk.noisyhead", " B ", " N ", " T ", " eps "):
-        assert shown in header.group(0), shown
-    # without the view, the same page shows none of these columns
+    assert "sweep lowdim (2 cells)" not in text  # the cells are rows, not folded under their parent
+    header = re.search(r"Run Name .*? excess_risk\.noisyhead excess_risk\.zero", text)
+    assert header and " N " in header.group(0), text[-1500:]
+    rows = text[header.end():]
+    for n in (40, 60):  # a row named by its value; its cells: N, T, then the two risks (6 significant digits at most)
+        assert f"lowdim N={n} " in rows, rows[:800]
+        row = re.search(rf" {n} \d+ (\S+) (\S+) ", rows)
+        assert row, rows[:800]
+        for value in row.groups():
+            assert re.fullmatch(r"[0-9.]+(e-\d+)?", value) and len(value.replace(".", "").lstrip("0")) <= 6, value
+    # without the view, the same page shows the sweep folded into one row and none of these columns
     plain = visible_text(render(server + link.group(1).split("?")[0] + "?workflowType=machine_learning",
-                                shots / "runs_table_plain.png", tmp_path / "profile5", size="1920,800"))
-    assert "excess_risk.noisyhead" not in plain and " eps " not in plain
+                                shots / "runs_table_plain.png", tmp_path / "profile5"))
+    assert "excess_risk.noisyhead" not in plain and "lowdim N=40" not in plain
 
 
 def test_report_html_renders_with_its_figures(sweep, shots, tmp_path):

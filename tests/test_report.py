@@ -2,6 +2,7 @@
 the MLflow experiment type, results in grid order, dodged error bars (issue 14)."""
 
 import base64
+import json
 import math
 import re
 
@@ -163,3 +164,31 @@ def test_the_report_dvc_hashes_is_the_same_bytes_whatever_the_run_ids_and_timing
     a, b = report.stable(pages[0]), report.stable(pages[1])
     assert a == b and "aaa111" not in a and "parent0" not in a
     assert "excess risk, mean (sd) across B = 2 trials" in a and "<h2>Config</h2>" in a
+
+
+def test_headline_metrics_are_rounded_for_display():
+    shown = tracking.for_display({"test_hit10": 28.999999904632568, "risk": 2.956041234e-6, "zero": 0.0})
+    assert shown == {"test_hit10": 29.0, "risk": 2.95604e-6, "zero": 0.0}
+
+
+def test_the_sweeps_view_shows_its_cells_unfolded_with_the_params_that_vary(tmp_path):
+    """The runs-table view (tracking.share_view): the sweep's cells in run-name order (MLflow folds
+    child runs under the parent only in start-time order), the params that differ between cells,
+    then the headline metrics, params first."""
+    store = f"sqlite:///{tmp_path / 'm.db'}"
+    client = mlflow.MlflowClient(tracking_uri=store)
+    experiment = client.create_experiment("e")
+    parent = client.create_run(experiment, run_name="sweep").info.run_id
+    for n in (40, 60):
+        run = client.create_run(experiment, tags={tracking.SWEEP_TAG: "s1", "kind": "cell"}, run_name=f"N={n}").info.run_id
+        client.log_param(run, "N", n)
+        client.log_param(run, "eps", 0.5)
+    try:
+        mlflow.set_tracking_uri(store)
+        assert tracking.share_view(parent, "s1", ["N", "eps"], ["risk"]) == experiment
+        state = json.loads(client.get_experiment(experiment).tags[tracking.VIEW_TAG + "s1"])
+    finally:
+        mlflow.set_tracking_uri(None)
+    assert state["selectedColumns"] == state["columnOrder"] == ["params.`N`", "metrics.`risk`"]
+    assert state["orderByKey"] == "tags.`mlflow.runName`" and state["orderByAsc"] is True
+    assert state["searchFilter"] == f"tags.{tracking.SWEEP_TAG} = 's1' and tags.kind = 'cell'"

@@ -65,6 +65,38 @@ def test_a_run_takes_its_models_setting_and_a_missing_model_is_refused(tmp_path)
     assert (untouched.seqrec.lr, untouched.seqrec.batch_size) == (0.5, 7)
 
 
+def test_an_ablation_runs_at_the_setting_of_the_model_it_ablates(tmp_path):
+    path = tmp_path / "tuned.yaml"
+    path.write_text("dpformer:presence-public: {lr: 0.02, batch_size: 64}\ndpformer: {lr: 0.005, batch_size: 32}\n")
+    for extra, setting in (({"form": "off"}, (0.02, 64)), ({"errors": "adam"}, (0.02, 64)),
+                           ({"form": "paper", "blocks": [2]}, (0.02, 64)), ({}, (0.02, 64))):
+        cfg = run_cfg(path, "dpformer", "public")
+        cfg.model.reattention.update(extra)
+        tuning.apply(cfg)
+        assert (cfg.seqrec.lr, cfg.seqrec.batch_size) == setting, extra
+    private = run_cfg(path, "dpformer", "private")
+    private.model.reattention.form = "off"
+    tuning.apply(private)
+    assert (private.seqrec.lr, private.seqrec.batch_size) == (0.005, 32)
+    with pytest.raises(ConfigError, match="no setting for model 'gru'"):
+        tuning.apply(run_cfg(path, "gru"))
+
+
+def test_gains_are_taken_over_the_configured_reference():
+    """An ablation sweep pairs each variant with its own uncorrected model (seqrec.gain_over)."""
+    rows = []
+    for seed in range(3):
+        for model, ndcg in (("dpformer:form-off", 10.0), ("dpformer", 11.0 + 0.1 * seed), ("transformer", 5.0)):
+            rows.append(dict(method=model, model=model, split="test", clipping="phantom", eps=8.0, lr=0.01,
+                             batch_size=128, seed=seed, ndcg10=ndcg))
+    results = pd.DataFrame(rows)
+    long = results.groupby(["model", "eps"], as_index=False)[["lr", "batch_size"]].first()
+    over_off = sweep.gains(results, long, 10, 0.2, reference="dpformer:form-off").set_index("variant")
+    assert list(over_off.index) == ["dpformer"] and over_off.loc["dpformer", "gain_mean"] == pytest.approx(0.11)
+    over_vanilla = sweep.gains(results, long, 10, 0.2).set_index("variant")
+    assert over_vanilla.loc["dpformer", "gain_mean"] == pytest.approx(1.22) and "dpformer:form-off" in over_vanilla.index
+
+
 @pytest.mark.parametrize("text", ["", "[1, 2]\n", "gru: {lr: -1, batch_size: 128}\n", "gru: {lr: 0.01}\n",
                                   "gru: {lr: 0.01, batch_size: 1.5}\n", "gru: [\n"])
 def test_a_bad_tuned_file_is_refused_naming_the_key(tmp_path, text):

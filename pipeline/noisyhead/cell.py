@@ -119,7 +119,7 @@ def run(cfg: DictConfig, const: config.Constants) -> Path:
         draw = cfg.plot.get("cell_figures")
         draw = sweep is None if draw is None else bool(draw)
         figs = plot.figures(results, cfg.plot, out, labels=method_labels(cfg)) if draw else []
-        mlflow.log_metrics(headline_metrics(results))
+        mlflow.log_metrics(tracking.for_display(headline_metrics(results)))
         mlflow.set_tag("mlflow.note.content", f"```\n{summary(results)}\n```")  # the run page's Description
         mlflow.log_artifact(str(csv))
         for fig in figs:

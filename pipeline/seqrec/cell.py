@@ -31,8 +31,10 @@ HEADLINE_PARAMS = ("model", "clipping", "eps", "lr", "B", "seed")  # the runs ta
 
 
 def cell_name(cfg: DictConfig) -> str:
-    return (f"{cfg.dataset.name} {train.model_name(cfg.model)} {cfg.clipping.name} eps={cfg.privacy.eps:g} "
-            f"lr={cfg.seqrec.lr:g} B={cfg.seqrec.batch_size} seed={cfg.seed}")
+    """The run's name: what tells a sweep's cells apart first (model, eps, seed), so that the runs
+    table's name column, cut at about 16 characters, still does; then the rest."""
+    return (f"{train.model_name(cfg.model)} eps={cfg.privacy.eps:g} seed={cfg.seed} ({cfg.clipping.name}, "
+            f"lr={cfg.seqrec.lr:g}, B={cfg.seqrec.batch_size}, {cfg.dataset.name})")
 
 
 def headline_params(cfg: DictConfig) -> dict:
@@ -113,7 +115,7 @@ def run(cfg: DictConfig) -> Path:
             "delta": run_plan.delta, "sigma": run_plan.sigma, "batch_size": run_plan.batch_size,
             "lr": float(cfg.seqrec.lr), "epochs": int(cfg.seqrec.epochs), "L": seqs.L, "seed": int(cfg.seed),
             **row} for row in rows])
-        mlflow.log_metrics(headline_metrics(rows, train.model_name(cfg.model), k))
+        mlflow.log_metrics(tracking.for_display(headline_metrics(rows, train.model_name(cfg.model), k)))
         for row in rows:
             tracking.log_metrics(f"evaluate.{row['method']}", {f"{row['split']}_{key}": row[key]
                                                                for key in (f"ndcg{k}", f"hit{k}") if row.get(key) is not None})

@@ -7,6 +7,7 @@ entry point turns into one ``error: ...`` line and exit status 2.
 from __future__ import annotations
 
 import math
+import re
 from functools import lru_cache
 
 from omegaconf import DictConfig, ListConfig
@@ -105,6 +106,10 @@ def validate(cfg: DictConfig) -> None:
     _int(t.eval_batch, "seqrec.eval_batch", 1)
     _int(t.k, "seqrec.k", 1)
     _num(t.get("paper_gain", 0.2), "seqrec.paper_gain", -1.0)
+    over = t.get("gain_over", "transformer")
+    if not isinstance(over, str) or not re.fullmatch(r"[a-z_]+(:[a-z0-9_-]+)*", over):
+        raise ConfigError(f"seqrec.gain_over must be a model's name in tables (transformer, dpformer:presence-public:"
+                          f"form-off, ...), got {over!r}")
     if t.get("threads") is not None:
         _int(t.threads, "seqrec.threads", 1)
     if not isinstance(t.get("checkpoint", True), bool):

@@ -60,19 +60,22 @@ class Diverged(RunFailed):
     """Training produced a non-finite loss or parameter: the run is FAILED, never FINISHED with NaN metrics."""
 
 
-def model_name(cfg) -> str:
+def model_name(cfg, ablations: bool = True) -> str:
     """The model's name in results, tables, run names and metric keys: ``model.name``, with each
     Re-Attention setting that departs from the defaults after a colon (``dpformer:presence-public``,
     ``dpformer:form-off``, ``dpformer:blocks-2``, ``dpformer:form-paper:blocks-1_2``: characters
     MLflow accepts in a metric name), so that a sweep over ablations keeps them apart and a table
-    says which privacy assumption a row made."""
+    says which privacy assumption a row made. ``ablations=False``: the name of the model an ablation
+    ablates (its presence only: ``dpformer:presence-public`` for ``dpformer:presence-public:form-off``)."""
     re = cfg.get("reattention")
     if re is None:
         return str(cfg.name)
     parts = [str(cfg.name)]
     adam = re.get("errors", "paper") == "adam"
-    if re.get("presence", "private") != "private" and not adam:  # errors=adam uses no item presence
+    if re.get("presence", "private") != "private" and not (adam and ablations):  # errors=adam uses no item presence
         parts.append(f"presence-{re.presence}")
+    if not ablations:
+        return ":".join(parts)
     if re.get("form", "propagated") != "propagated":
         parts.append(f"form-{re.form}")
     if adam:

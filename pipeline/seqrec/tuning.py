@@ -12,7 +12,9 @@ place of ``seqrec.lr`` and ``seqrec.batch_size`` (:func:`apply`, before the conf
 so that the noise calibration, the memory estimate, the results and the MLflow params all see the
 setting that runs). The key is the model's name in tables (``train.model_name``:
 ``dpformer:presence-public``, ...), whatever the clipping: the non-private row of a table runs at
-its model's private setting. A model the file does not list is refused.
+its model's private setting. An ablation the file does not list (``dpformer:presence-public:form-off``)
+runs at the setting of the model it ablates (it is not tuned on its own: an ablation changes one
+thing); any other model the file does not list is refused.
 
 Selecting on validation reads private data and is not charged in eps (README, "Privacy
 assumptions"); the paper selects on the test set.
@@ -63,8 +65,11 @@ def apply(cfg: DictConfig) -> None:
 
     table = read(path)
     name = model_name(cfg.model)
+    if name not in table:  # an ablation (form, errors, blocks) runs at the setting of the model it ablates
+        name = model_name(cfg.model, ablations=False)
     if name not in table:
-        raise ConfigError(f"{KEY} = {str(path)!r} holds no setting for model {name!r}; it holds {sorted(table)}")
+        raise ConfigError(f"{KEY} = {str(path)!r} holds no setting for model {model_name(cfg.model)!r}; "
+                          f"it holds {sorted(table)}")
     with read_write(cfg), open_dict(cfg):
         cfg.seqrec.lr = float(table[name]["lr"])
         cfg.seqrec.batch_size = int(table[name]["batch_size"])
