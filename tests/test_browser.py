@@ -173,3 +173,37 @@ def test_report_html_renders_with_its_figures(sweep, shots, tmp_path):
     for data in images:  # every embedded figure is a PNG that decodes
         assert png_size(base64.b64decode(data))[0] > 300
     assert png_size((shots / "report.png").read_bytes()) == (1280, 800)
+
+
+@pytest.fixture(scope="module")
+def dpformer_sweep(sweep):
+    """A DPFormer sweep (two models x two eps, one seed) into the same store, under its own experiment."""
+    tmp, store, _ = sweep
+    proc = subprocess.run([sys.executable, "-m", "pipeline", "-m", "experiment=dpformer_ci", "model=transformer,dpformer",
+                           "privacy.eps=3,8", "seqrec.epochs=1", f"mlflow.tracking_uri={store}",
+                           f"hydra.sweep.dir={tmp / 'dpformer'}"],
+                          cwd=ROOT, capture_output=True, text=True, env=ENV, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc
+
+
+def test_the_printed_runs_table_link_of_a_dpformer_sweep(dpformer_sweep, server, shots, tmp_path):
+    """The issue saw a DPFormer sweep's rows all named `synthetic_longt...`, alike, with the model column
+    off-screen. At 1280 px, with no click: four rows, each named model first with its eps, and the model,
+    eps and test NDCG@10 (rounded) as columns."""
+    out = dpformer_sweep.stdout
+    assert "sweep 4/4 cells done" in out, out[-1500:]  # the progress line
+    link = re.search(r"the sweep's runs table: http://\S+?(/#/experiments/\S+)", out)
+    assert link and "viewStateShareKey=" in link.group(1), out[-1500:]
+    text = visible_text(render(server + link.group(1), shots / "runs_table_dpformer.png", tmp_path / "profile6"))
+    header = re.search(r"Run Name .*? Metrics .*?(?= Hide run)", text)
+    assert header, text[-1500:]
+    assert all(f" {key} " in header.group(0) + " " for key in ("model", "eps", "test_ndcg10")), header.group(0)
+    names = re.findall(r"Hide run #\w+ (\w+ eps=\d+ seed=0) \(", text)
+    assert sorted(names) == ["dpformer eps=3 seed=0", "dpformer eps=8 seed=0",
+                             "transformer eps=3 seed=0", "transformer eps=8 seed=0"], text[-2000:]
+    for model in ("dpformer", "transformer"):  # each row's cells: model, eps, then its measures, rounded
+        for eps in (3, 8):
+            row = re.search(rf" {model} {eps} ([0-9.]+) ", text)
+            assert row and len(row.group(1).replace(".", "").lstrip("0")) <= 6, (model, eps, text[-1500:])
+    assert png_size((shots / "runs_table_dpformer.png").read_bytes()) == (1280, 800)
