@@ -1,6 +1,7 @@
 """Estimators against closed forms and against each other."""
 
 import math
+import os
 
 import pytest
 import torch
@@ -84,6 +85,36 @@ def test_ridge_stays_accurate_with_an_outlying_prompt():
         exact = torch.tensor([float(x) for x in mpmath.lu_solve(A, Z.T * mpmath.matrix(f.y[b].tolist()))], dtype=D64)
         assert torch.allclose(gamma[b], exact, rtol=1e-8, atol=1e-12 * exact.abs().max().item())
         assert (naive[b] - exact).abs().max() > 100 * (gamma[b] - exact).abs().max()
+
+
+_SOLVE_IN_A_FRESH_PROCESS = """
+import hashlib, sys, torch
+from pipeline.noisyhead.features import Features
+from pipeline.noisyhead.methods import ridge
+offset = torch.empty(int(sys.argv[1]) * 7 + 1, dtype=torch.float64)  # moves the later allocations
+g = torch.Generator().manual_seed(0)
+trials, N, D = 20, 2000, 5
+q = torch.randn(trials, N, D, generator=g, dtype=torch.float64)
+f = Features(q / q.norm(dim=-1, keepdim=True), torch.randn(trials, N, D, generator=g, dtype=torch.float64),
+             torch.randn(trials, N, generator=g, dtype=torch.float64))
+f.v[:, 0] += 2.0 * N**2  # Figure 4's outlying prompt (alpha = c N^p): the least-squares (QR) path
+print(hashlib.md5(ridge.solve_direct(f, 0.01).numpy().tobytes()).hexdigest())
+"""
+
+
+def test_the_ridge_with_an_outlier_gives_the_same_bits_in_every_process():
+    """Figure 4's ridge attack risk varied in its 10th digit from one cell (process) to the next:
+    torch's default least-squares driver (gelsy) is not reproducible across processes on 2 threads.
+    The QR path must give the same bits for the same data, whatever the memory layout around it."""
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+
+    env = dict(os.environ, OMP_NUM_THREADS="2", MKL_NUM_THREADS="2")
+    hashes = {subprocess.run([sys.executable, "-c", _SOLVE_IN_A_FRESH_PROCESS, str(offset)], cwd=ROOT, env=env,
+                             capture_output=True, text=True, check=True).stdout.strip() for offset in (0, 1, 3, 5, 17)}
+    assert len(hashes) == 1, hashes
 
 
 def test_closed_form_ridge_is_the_fixed_point_of_non_private_gd():

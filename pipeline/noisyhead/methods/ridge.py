@@ -89,7 +89,12 @@ def solve_direct(feats: Features, mu: float) -> Tensor:
     [y; 0] by QR, which stays accurate with an outlying prompt (the normal equations square
     the condition number).
     Dual: Cholesky of K + mu N I, whose accuracy an outlier's large diagonal entry does not
-    hurt (Cholesky is insensitive to diagonal scaling)."""
+    hurt (Cholesky is insensitive to diagonal scaling).
+
+    The least-squares problem has full column rank (its sqrt(mu N) I rows), so it is solved by
+    plain Householder QR (LAPACK gels). torch's default CPU driver, gelsy (QR with column pivoting),
+    gave results that varied in the 10th digit from one process to the next at a fixed thread count
+    (Figure 4's ridge attack risk did); gels gives the same bits for the same data and thread count."""
     B, N, D = feats.shape
     if _primal_cost(N, D) <= _dual_cost(N, D):
         if (feats.norms().square().max() / mu).item() < 1e6:
@@ -99,7 +104,7 @@ def solve_direct(feats: Features, mu: float) -> Tensor:
         ridge_rows = math.sqrt(mu * N) * torch.eye(D * D, dtype=feats.q.dtype, device=feats.q.device).expand(B, D * D, D * D)
         A = torch.cat([feats.flat(), ridge_rows], 1)
         rhs = torch.cat([feats.y, feats.y.new_zeros(B, D * D)], 1).unsqueeze(-1)
-        return torch.linalg.lstsq(A, rhs).solution.reshape(B, D, D)
+        return torch.linalg.lstsq(A, rhs, driver="gels").solution.reshape(B, D, D)
     # Dual: vec(Gamma) = Z^T (Z Z^T + mu N I)^{-1} y
     A = feats.kernel() + mu * N * torch.eye(N, dtype=feats.q.dtype, device=feats.q.device)
     alpha = torch.cholesky_solve(feats.y.unsqueeze(-1), torch.linalg.cholesky(A)).squeeze(-1)
