@@ -89,3 +89,25 @@ def test_dpformer_tables_quote_the_committed_means(section, stage):
     for model, eps, quoted in rows:
         value = metric(stage, f"{model}.eps_{eps}.test_ndcg10")
         assert math.isclose(quoted, round(value, 2), abs_tol=1e-9), (stage, model, eps, quoted, value)
+
+
+def test_the_ablation_table_quotes_the_committed_means_and_gains():
+    """docs' ablation table: each variant's NDCG@10 mean (metrics.json) and its paired gain with its
+    interval (gains.csv, committed in git) as the stage wrote them."""
+    import csv
+
+    body = (ROOT / DPFORMER).read_text().split("### Re-Attention's ablations", 1)[1].split("\n#", 1)[0]
+    gains = {(r["variant"], float(r["eps"])): r for r in csv.DictReader((ROOT / "artifacts/dpformer_ablation/gains.csv").open())}
+    rows = [line for line in body.splitlines() if line.startswith("| ") and "(`dpformer:" in line]
+    assert len(rows) == 6, rows
+    for line in rows:
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        model = re.search(r"\(`(dpformer:[^`]+)`\)", cells[0]).group(1)
+        for eps, cell, gain in ((3, cells[1], cells[3]), (8, cells[2], cells[4])):
+            value = metric("dpformer_ablation", f"{model}.eps_{eps}.test_ndcg10")
+            assert math.isclose(float(cell.split()[0]), round(value, 2), abs_tol=1e-9), (model, eps, cell, value)
+            row = gains.get((model, float(eps)))
+            assert (row is None) == (gain == ""), (model, eps, gain)  # the reference and the control have none
+            if row:
+                pct = lambda key: f"{100 * float(row[key]):+.2f}"
+                assert gain == f"{pct('gain_mean')}% [{pct('ci_low')}, {pct('ci_high')}]", (model, eps, gain)
