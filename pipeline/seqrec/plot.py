@@ -16,6 +16,22 @@ from matplotlib.ticker import MaxNLocator  # noqa: E402
 from pipeline.plot import color, save  # noqa: E402
 from pipeline.seqrec.evaluate import BASELINES  # noqa: E402
 
+# Re-Attention's ablation variants (conf/seqrec/experiment/dpformer_ablation.yaml), each a colour of
+# its own beside pipeline/plot.COLORS (which holds the models and the one-setting variants): the
+# name hash that colours any other name gave two of them the same colour.
+VARIANT_COLORS = {
+    "dpformer:presence-public:form-off": "#ffbb78",   # the ablation's reference: no correction
+    "dpformer:form-off:errors-adam": "#8c6d31",       # its control (the same training)
+    "dpformer:presence-public:form-paper": "#ff9896",
+    "dpformer:errors-adam": "#bcbd22",
+    "dpformer:form-paper:errors-adam": "#9edae5",
+}
+
+
+def model_color(name: str) -> str:
+    """A model's colour in every DPFormer figure: an ablation variant's own, else pipeline.plot's."""
+    return VARIANT_COLORS.get(str(name).split(" (")[0]) or color(name)
+
 
 def curves(history, path: Path, title: str = "", k: int = 10) -> Path:
     """Training loss per epoch, and validation NDCG@k / HIT@k at the evaluated epochs."""
@@ -49,14 +65,14 @@ def sweep_figure(results: pd.DataFrame, path: Path, k: int = 10) -> Path:
     for ax, key, metric in zip(axes, (f"ndcg{k}", f"hit{k}"), (f"NDCG@{k}", f"HIT@{k}")):
         for (method, clip), g in model_rows.groupby(["method", "clipping"]):
             g = g.groupby("eps")[key].mean()
-            ax.plot([where[e] for e in g.index], g.values, marker="o", label=label(method, clip), color=color(method),
+            ax.plot([where[e] for e in g.index], g.values, marker="o", label=label(method, clip), color=model_color(method),
                     ls=":" if clip == "none" else "-")
         ax.set_xticks(range(len(eps)), ["∞" if e == float("inf") else f"{e:g}" for e in eps])
         pop = test[test["method"] == "popular"][key]
         if len(pop):
             ax.axhline(pop.mean(), ls="--", color="grey", label="most popular")
         ax.set_xlabel("ε")
-        ax.set_ylabel(f"test {metric} (%), mean over seeds")
+        ax.set_ylabel(f"test {metric} (%)\nmean over seeds")  # two lines: a long label outgrew the panel
         ax.grid(alpha=0.3)
     handles, labels = axes[0].get_legend_handles_labels()  # one legend for both panels, below them: never over a line
     ncol = _legend_columns(labels, 10)
@@ -97,7 +113,7 @@ def curves_figure(curves: pd.DataFrame, path: Path, k: int = 10) -> Path:
             for (method, clip, lr, bs), g in sub.groupby(["method", "clipping", "lr", "batch_size"], sort=False):
                 stats = g.dropna(subset=[key]).groupby("epoch")[key].agg(["mean", "std", "count"])
                 line, = ax.plot(stats.index, stats["mean"], marker="o", ms=2.5, label=label(method, clip),
-                                color=color(method), ls=":" if clip == "none" else "-")
+                                color=model_color(method), ls=":" if clip == "none" else "-")
                 sd = stats["std"].fillna(0)
                 ax.fill_between(stats.index, stats["mean"] - sd, stats["mean"] + sd, color=line.get_color(), alpha=0.2)
             ax.set_ylabel(f"validation {metric} (%)")
@@ -154,7 +170,7 @@ def attention_figure(results: pd.DataFrame, path: Path) -> Path:
     for (method, clip), g in test.groupby(["method", "clipping"], sort=False):
         s = g.groupby("eps")["attention_relevant"].agg(["mean", "std"])
         ax.errorbar([where[e] for e in s.index], s["mean"], yerr=s["std"].fillna(0), marker="o", capsize=3,
-                    label=label(method, clip), color=color(method), ls=":" if clip == "none" else "-")
+                    label=label(method, clip), color=model_color(method), ls=":" if clip == "none" else "-")
     chance = test.groupby("eps")["attention_uniform"].mean()
     ax.plot([where[e] for e in chance.index], chance.values, ls="--", color="grey", marker="_", ms=14,
             label="uniform attention")  # the marker shows it even at a single eps
@@ -162,8 +178,12 @@ def attention_figure(results: pd.DataFrame, path: Path) -> Path:
     ax.set_xlabel("ε")
     ax.set_ylabel("attention mass on relevant positions")
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.18), ncol=4, frameon=False)
-    fig.tight_layout()
+    handles, labels = ax.get_legend_handles_labels()  # below the panel, as many columns as fit the width
+    ncol = _legend_columns(labels, 6)
+    rows = -(-len(labels) // ncol)
+    fig.set_size_inches(6, 3.8 + 0.2 * rows)
+    fig.legend(handles, labels, loc="lower center", ncol=ncol, fontsize=8, frameon=False)
+    fig.tight_layout(rect=(0, (0.2 * rows + 0.1) / (3.8 + 0.2 * rows), 1, 1))
     return save(fig, path, dpi=120)
 
 
