@@ -215,3 +215,47 @@ def test_every_dpformer_model_and_ablation_variant_has_a_colour_of_its_own():
     colours = {name: seqrec_plot.model_color(name) for name in names}
     assert len(set(colours.values())) == len(names), colours
     assert seqrec_plot.model_color("dpformer:errors-adam (non-private)") == colours["dpformer:errors-adam"]
+
+
+def test_series_of_one_method_share_its_colour_but_not_their_look_and_the_legend_fits(tmp_path):
+    """Figure 4 drew NoisyHead with independent and with shared noise in one colour and one style (two
+    identical legend entries); Figures 3 and 6 cut their legends at both edges. Now: each method its
+    colour of every figure, its several series a line style and marker each, and a legend no wider
+    than the figure."""
+    import matplotlib.pyplot as plt
+    from omegaconf import OmegaConf
+
+    from pipeline import plot
+    from pipeline.noisyhead import plot as nh_plot
+
+    drawn = {}
+    real_errorbar, real_legend = plt.Axes.errorbar, plt.Figure.legend
+
+    def spy(self, x, y, *a, **k):
+        drawn[k["label"]] = (k["color"], k.get("ls", "-"), k.get("marker"))
+        return real_errorbar(self, x, y, *a, **k)
+
+    legends = []
+
+    def legend_spy(self, *a, **k):
+        legends.append(real_legend(self, *a, **k))
+        return legends[-1]
+
+    labels = {"noisyhead": "NoisyHead (cost of privacy), a long name", "gd": "non-private GD (cost of descent), long too"}
+    rows = [{"method": m, "coupling": c, "attack_p": p, "attack_risk_mean": 1.0, "attack_risk_sd": 0.1,
+             "log10_attack_risk_mean": 0.0, "log10_attack_risk_sd": 0.1, "eps": 0.5, "N": 50, "T": 3}
+            for m, c in (("noisyhead", "independent"), ("noisyhead", "shared"), ("gd", "none")) for p in (2.0, 2.1)]
+    spec = OmegaConf.create({"y": "attack_risk", "x": "attack_p", "hue": None, "facet": None, "k_sd": 1.0,
+                             "error_bars": "log_sd", "yscale": "log", "methods": None, "title": None, "colors": None})
+    plt.Axes.errorbar, plt.Figure.legend = spy, legend_spy
+    try:
+        nh_plot.figure(pd.DataFrame(rows), spec, tmp_path / "f.png", labels)
+    finally:
+        plt.Axes.errorbar, plt.Figure.legend = real_errorbar, real_legend
+    independent, shared = drawn[f"{labels['noisyhead']}, independent noise"], drawn[f"{labels['noisyhead']}, shared noise"]
+    assert independent[0] == shared[0] == plot.color("noisyhead") and drawn[labels["gd"]][0] == plot.color("gd")
+    assert independent[1:] != shared[1:]  # told apart by line and marker
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    fig = legends[-1].figure
+    assert legends[-1].get_window_extent(FigureCanvasAgg(fig).get_renderer()).width <= fig.bbox.width

@@ -101,8 +101,8 @@ def figure(df: pd.DataFrame, spec: DictConfig, path: Path, labels: dict[str, str
         colors = dict(zip(values, sns.color_palette("viridis", len(values))))
     else:  # colours encode the method: the same in every figure (pipeline.plot.COLORS)
         method = dict(zip(df["series"], df["method"]))
-        shared = pd.Series(method).value_counts()
-        colors = {v: color(method[v] if shared[method[v]] == 1 else v) for v in values}
+        colors = {v: color(method[v]) for v in values}
+    styles = _styles(values, method if not hue else {})
     for name, colour in (spec.get("colors") or {}).items():  # a preset's colours, by method name or legend text
         for series in (name, labels.get(name, name)):
             if series in colors:
@@ -123,8 +123,8 @@ def figure(df: pd.DataFrame, spec: DictConfig, path: Path, labels: dict[str, str
             label = f"{symbol(hue)} = {value:g}" if hue else value
             at = dodged(g[x], [at_x[v].index(value) for v in g[x]], [len(at_x[v]) for v in g[x]],
                         sub[x].to_numpy(), xlog)
-            ax.errorbar(at, g["y"], yerr=[g["lo"], g["hi"]], marker="o", ms=4, capsize=3, label=label,
-                        color=colors[value])
+            ax.errorbar(at, g["y"], yerr=[g["lo"], g["hi"]], marker=styles[value][1], ms=4, capsize=3, label=label,
+                        color=colors[value], ls=styles[value][0])
         ax.set_xlabel(AXES.get(x, symbol(x)))
         ax.set_ylabel(MEASURES.get(y, y.replace("_", " ")))
         ax.set_yscale(spec.yscale)
@@ -139,14 +139,39 @@ def figure(df: pd.DataFrame, spec: DictConfig, path: Path, labels: dict[str, str
     for ax in axes[0][1:]:
         for h, n in zip(*ax.get_legend_handles_labels()):
             seen.setdefault(n, h)
-    ncol = min(len(seen), 3 if len(panels) == 1 else 4)
-    rows = -(-len(seen) // max(ncol, 1))
-    fig.legend(list(seen.values()), list(seen.keys()), loc="lower center", ncol=max(ncol, 1), fontsize=8,
-               frameon=False)  # below the panels: it never covers data
+    rows = _legend(fig, list(seen.values()), list(seen.keys()), ncol=min(len(seen), 3 if len(panels) == 1 else 4))
     if spec.title:  # wrapped to the figure's width (about 12 characters an inch at 10 pt)
         fig.suptitle(textwrap.fill(str(spec.title), int(12 * 5.0 * len(panels))), fontsize=10)
     fig.tight_layout(rect=(0, 0.06 * rows + 0.02, 1, 1))  # tight_layout leaves room for the suptitle
     return save(fig, path)
+
+
+LINES = [("-", "o"), ("--", "s"), (":", "^"), ("-.", "D")]
+
+
+def _styles(values: list, method: dict) -> dict:
+    """(line style, marker) of each series: solid with circles, except where one method has several
+    series (Figure 4's independent and shared noise), which share the method's colour and take the
+    next styles in turn, so that no two series of a figure look alike."""
+    taken: dict[str, int] = {}
+    styles = {}
+    for v in values:
+        m = method.get(v, v)
+        styles[v] = LINES[taken.get(m, 0) % len(LINES)]
+        taken[m] = taken.get(m, 0) + 1
+    return styles
+
+
+def _legend(fig, handles: list, names: list, ncol: int) -> int:
+    """The figure's legend below its panels (never over data), in at most ``ncol`` columns and as
+    few fewer as it takes to fit the figure's width (long method names ran off both edges); its rows."""
+    ncol = max(ncol, 1)
+    while True:
+        legend = fig.legend(handles, names, loc="lower center", ncol=ncol, fontsize=8, frameon=False)
+        if ncol == 1 or legend.get_window_extent(fig.canvas.get_renderer()).width <= 0.98 * fig.bbox.width:
+            return -(-len(names) // ncol)
+        legend.remove()
+        ncol -= 1
 
 
 def table(df: pd.DataFrame, rows: list[str], values: str | list[str],
