@@ -91,7 +91,7 @@ _SOLVE_IN_A_FRESH_PROCESS = """
 import hashlib, sys, torch
 from pipeline.noisyhead.features import Features
 from pipeline.noisyhead.methods import ridge
-offset = torch.empty(int(sys.argv[1]) * 7 + 1, dtype=torch.float64)  # moves the later allocations
+offset = torch.empty(int(sys.argv[1]) * 7 + 1, dtype=torch.float64)  # a process that differs a little
 g = torch.Generator().manual_seed(0)
 trials, N, D = 20, 2000, 5
 q = torch.randn(trials, N, D, generator=g, dtype=torch.float64)
@@ -103,9 +103,10 @@ print(hashlib.md5(ridge.solve_direct(f, 0.01).numpy().tobytes()).hexdigest())
 
 
 def test_the_ridge_with_an_outlier_gives_the_same_bits_in_every_process():
-    """Figure 4's ridge attack risk varied in its 10th digit from one cell (process) to the next:
-    torch's default least-squares driver (gelsy) is not reproducible across processes on 2 threads.
-    The QR path must give the same bits for the same data, whatever the memory layout around it."""
+    """Figure 4's ridge attack risk varied in its 12th significant digit from one rebuild to the next:
+    torch's default least-squares driver (gelsy) is not reproducible across processes on 2 threads
+    (4 hashes in 5 processes here). The QR path must give the same bits for the same data in every
+    process (each allocates a buffer of another size first, so that the processes differ)."""
     import subprocess
     import sys
 

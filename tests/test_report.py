@@ -212,6 +212,7 @@ def test_every_dpformer_model_and_ablation_variant_has_a_colour_of_its_own():
             cfg = OmegaConf.create({"name": "dpformer", "reattention": {"presence": "public", "form": form, "errors": errors}})
             names.add(model_name(cfg))
     assert {"dpformer:presence-public:form-off", "dpformer:form-off:errors-adam", "dpformer:errors-adam"} <= names
+    names.add("dpformer:blocks-2")  # a variant not listed anywhere: a colour of the variants' own pool
     colours = {name: seqrec_plot.model_color(name) for name in names}
     assert len(set(colours.values())) == len(names), colours
     assert seqrec_plot.model_color("dpformer:errors-adam (non-private)") == colours["dpformer:errors-adam"]

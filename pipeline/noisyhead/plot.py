@@ -97,12 +97,12 @@ def figure(df: pd.DataFrame, spec: DictConfig, path: Path, labels: dict[str, str
     fig, axes = plt.subplots(1, len(panels), figsize=(5.0 * len(panels), 4.0), squeeze=False)
     key = hue or "series"
     values = sorted(df[key].unique())
+    method = dict(zip(df["series"], df["method"]))
     if hue:  # colours encode the hue's value (eps, ...): a sequential palette
         colors = dict(zip(values, sns.color_palette("viridis", len(values))))
     else:  # colours encode the method: the same in every figure (pipeline.plot.COLORS)
-        method = dict(zip(df["series"], df["method"]))
         colors = {v: color(method[v]) for v in values}
-    styles = _styles(values, method if not hue else {})
+    styles = _styles(values, {} if hue else method)
     for name, colour in (spec.get("colors") or {}).items():  # a preset's colours, by method name or legend text
         for series in (name, labels.get(name, name)):
             if series in colors:
@@ -142,7 +142,9 @@ def figure(df: pd.DataFrame, spec: DictConfig, path: Path, labels: dict[str, str
     rows = _legend(fig, list(seen.values()), list(seen.keys()), ncol=min(len(seen), 3 if len(panels) == 1 else 4))
     if spec.title:  # wrapped to the figure's width (about 12 characters an inch at 10 pt)
         fig.suptitle(textwrap.fill(str(spec.title), int(12 * 5.0 * len(panels))), fontsize=10)
-    fig.tight_layout(rect=(0, 0.06 * rows + 0.02, 1, 1))  # tight_layout leaves room for the suptitle
+    height = 3.5 + 0.25 * rows  # the panels keep their height whatever the legend's rows
+    fig.set_size_inches(fig.get_figwidth(), height)
+    fig.tight_layout(rect=(0, (0.25 * rows + 0.1) / height, 1, 1))  # tight_layout leaves room for the suptitle
     return save(fig, path)
 
 

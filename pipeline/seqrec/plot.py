@@ -13,24 +13,35 @@ import pandas as pd  # noqa: E402
 
 from matplotlib.ticker import MaxNLocator  # noqa: E402
 
-from pipeline.plot import color, save  # noqa: E402
+from pipeline.plot import COLORS, color, save  # noqa: E402
 from pipeline.seqrec.evaluate import BASELINES  # noqa: E402
 
 # Re-Attention's ablation variants (conf/seqrec/experiment/dpformer_ablation.yaml), each a colour of
-# its own beside pipeline/plot.COLORS (which holds the models and the one-setting variants): the
-# name hash that colours any other name gave two of them the same colour.
+# its own beside pipeline/plot.COLORS (which holds the models and the one-setting variants). The name
+# hash that colours any other name gave two of them one colour; these, and the pool that other
+# variants (``dpformer:blocks-2``, ...) are hashed into, are tab20b shades that neither
+# pipeline/plot.COLORS nor its spare colours use.
 VARIANT_COLORS = {
-    "dpformer:presence-public:form-off": "#ffbb78",   # the ablation's reference: no correction
-    "dpformer:form-off:errors-adam": "#8c6d31",       # its control (the same training)
-    "dpformer:presence-public:form-paper": "#ff9896",
-    "dpformer:errors-adam": "#bcbd22",
-    "dpformer:form-paper:errors-adam": "#9edae5",
+    "dpformer:presence-public:form-off": "#e6550d",   # the ablation's reference: no correction
+    "dpformer:form-off:errors-adam": "#843c39",       # its control (the same training)
+    "dpformer:presence-public:form-paper": "#7b4173",
+    "dpformer:errors-adam": "#637939",
+    "dpformer:form-paper:errors-adam": "#393b79",
 }
+VARIANT_POOL = ["#5254a3", "#8ca252", "#bd9e39", "#ad494a", "#a55194", "#6b6ecf", "#b5cf6b", "#e7ba52", "#d6616b", "#ce6dbd"]
 
 
 def model_color(name: str) -> str:
-    """A model's colour in every DPFormer figure: an ablation variant's own, else pipeline.plot's."""
-    return VARIANT_COLORS.get(str(name).split(" (")[0]) or color(name)
+    """A model's colour in every DPFormer figure: pipeline.plot's for the models and baselines, an
+    ablation variant's own, and for any other variant (a name with a colon) a fixed one from its name."""
+    import zlib
+
+    base = str(name).split(" (")[0]
+    if base in VARIANT_COLORS:
+        return VARIANT_COLORS[base]
+    if ":" in base and base not in COLORS:
+        return VARIANT_POOL[zlib.crc32(base.encode()) % len(VARIANT_POOL)]
+    return color(name)
 
 
 def curves(history, path: Path, title: str = "", k: int = 10) -> Path:

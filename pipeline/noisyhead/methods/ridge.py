@@ -93,8 +93,9 @@ def solve_direct(feats: Features, mu: float) -> Tensor:
 
     The least-squares problem has full column rank (its sqrt(mu N) I rows), so it is solved by
     plain Householder QR (LAPACK gels). torch's default CPU driver, gelsy (QR with column pivoting),
-    gave results that varied in the 10th digit from one process to the next at a fixed thread count
-    (Figure 4's ridge attack risk did); gels gives the same bits for the same data and thread count."""
+    is not reproducible from one process to the next at a fixed thread count: Figure 4's ridge attack
+    risk varied in its 12th significant digit from one rebuild to the next. gels gives the same bits
+    for the same data and thread count (not across thread counts: the reduction order changes)."""
     B, N, D = feats.shape
     if _primal_cost(N, D) <= _dual_cost(N, D):
         if (feats.norms().square().max() / mu).item() < 1e6:
