@@ -116,32 +116,35 @@ def test_series_at_one_x_are_dodged_symmetrically():
     assert (plot.dodged(x, [0, 0], [1, 1], xs, log=False) == x.to_numpy()).all()
 
 
-def test_a_point_alone_at_its_x_is_drawn_where_it_is(tmp_path):
+@pytest.fixture
+def errorbars(monkeypatch):
+    """Every ``Axes.errorbar`` call a figure makes while the test runs, as (x, keyword arguments)."""
+    import matplotlib.pyplot as plt
+
+    calls, real = [], plt.Axes.errorbar
+
+    def spy(self, x, y, *a, **k):
+        calls.append((list(np.asarray(x, dtype=float)), k))
+        return real(self, x, y, *a, **k)
+
+    monkeypatch.setattr(plt.Axes, "errorbar", spy)
+    return calls
+
+
+def test_a_point_alone_at_its_x_is_drawn_where_it_is(tmp_path, errorbars):
     """The default run's single N = 1000 (two methods, one per panel) and a sweep's N = 500 where
     only one series has a point: no shift (before: 975 and 1025, 487 and 512)."""
-    import matplotlib.pyplot as plt
     from omegaconf import OmegaConf
 
     from pipeline.noisyhead import plot as nh_plot
-
-    drawn = []
-    real = plt.Axes.errorbar
-
-    def spy(self, x, y, *a, **k):
-        drawn.append((k.get("label"), list(np.asarray(x, dtype=float))))
-        return real(self, x, y, *a, **k)
 
     rows = [{"method": m, "N": n, "excess_risk_mean": 1.0 + i, "excess_risk_sd": 0.1, "log10_excess_risk_mean": 0.0,
              "log10_excess_risk_sd": 0.1, "eps": 0.2, "T": 100, "coupling": ""}
             for i, (m, n) in enumerate([("gd", 500), ("gd", 1000), ("noisyhead", 1000), ("noisyhead", 1500)])]
     spec = OmegaConf.create({"y": "excess_risk", "x": "N", "hue": None, "facet": None, "k_sd": 1.0,
                              "error_bars": "sd", "yscale": "linear", "methods": None, "title": None, "colors": None})
-    plt.Axes.errorbar = spy
-    try:
-        nh_plot.figure(pd.DataFrame(rows), spec, tmp_path / "f.png")
-    finally:
-        plt.Axes.errorbar = real
-    at = dict(drawn)
+    nh_plot.figure(pd.DataFrame(rows), spec, tmp_path / "f.png")
+    at = {k["label"]: x for x, k in errorbars}
     assert at["gd"][0] == 500 and at["noisyhead"][1] == 1500  # alone at their x: unshifted
     assert at["gd"][1] < 1000 < at["noisyhead"][0]  # the two at N = 1000: spread around it
 
@@ -218,7 +221,7 @@ def test_every_dpformer_model_and_ablation_variant_has_a_colour_of_its_own():
     assert seqrec_plot.model_color("dpformer:errors-adam (non-private)") == colours["dpformer:errors-adam"]
 
 
-def test_series_of_one_method_share_its_colour_but_not_their_look_and_the_legend_fits(tmp_path):
+def test_series_of_one_method_share_its_colour_but_not_their_look_and_the_legend_fits(tmp_path, errorbars, monkeypatch):
     """Figure 4 drew NoisyHead with independent and with shared noise in one colour and one style (two
     identical legend entries); Figures 3 and 6 cut their legends at both edges. Now: each method its
     colour of every figure, its several series a line style and marker each, and a legend no wider
@@ -229,14 +232,7 @@ def test_series_of_one_method_share_its_colour_but_not_their_look_and_the_legend
     from pipeline import plot
     from pipeline.noisyhead import plot as nh_plot
 
-    drawn = {}
-    real_errorbar, real_legend = plt.Axes.errorbar, plt.Figure.legend
-
-    def spy(self, x, y, *a, **k):
-        drawn[k["label"]] = (k["color"], k.get("ls", "-"), k.get("marker"))
-        return real_errorbar(self, x, y, *a, **k)
-
-    legends = []
+    real_legend, legends = plt.Figure.legend, []
 
     def legend_spy(self, *a, **k):
         legends.append(real_legend(self, *a, **k))
@@ -248,11 +244,9 @@ def test_series_of_one_method_share_its_colour_but_not_their_look_and_the_legend
             for m, c in (("noisyhead", "independent"), ("noisyhead", "shared"), ("gd", "none")) for p in (2.0, 2.1)]
     spec = OmegaConf.create({"y": "attack_risk", "x": "attack_p", "hue": None, "facet": None, "k_sd": 1.0,
                              "error_bars": "log_sd", "yscale": "log", "methods": None, "title": None, "colors": None})
-    plt.Axes.errorbar, plt.Figure.legend = spy, legend_spy
-    try:
-        nh_plot.figure(pd.DataFrame(rows), spec, tmp_path / "f.png", labels)
-    finally:
-        plt.Axes.errorbar, plt.Figure.legend = real_errorbar, real_legend
+    monkeypatch.setattr(plt.Figure, "legend", legend_spy)
+    nh_plot.figure(pd.DataFrame(rows), spec, tmp_path / "f.png", labels)
+    drawn = {k["label"]: (k["color"], k.get("ls", "-"), k.get("marker")) for _, k in errorbars}
     independent, shared = drawn[f"{labels['noisyhead']}, independent noise"], drawn[f"{labels['noisyhead']}, shared noise"]
     assert independent[0] == shared[0] == plot.color("noisyhead") and drawn[labels["gd"]][0] == plot.color("gd")
     assert independent[1:] != shared[1:]  # told apart by line and marker
