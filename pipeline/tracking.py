@@ -9,6 +9,8 @@
   A cell's job folder gets a ``cell.json`` once its run FINISHED (run id, config hash, sweep id):
   the sweep's summary reads only the records of its own sweep, and a resumed sweep skips
   the cells whose record matches their config.
+- Every write to the store goes through this module, ``shielded`` from Ctrl-C and SIGTERM: a
+  signal that arrives during a write acts when the write is done.
 - A sqlite store (MLflow's default ``./mlflow.db``) is created and migrated by one process
   at a time (a file lock next to it), so parallel jobs on a fresh store lose nothing.
 """
@@ -65,6 +67,34 @@ def sigterm_raises() -> Iterator[None]:
 
 
 @contextlib.contextmanager
+def shielded() -> Iterator[None]:
+    """Within the block (main thread only), SIGINT and SIGTERM wait for its end, then act as they
+    would have. Every store write of this module runs in one: MLflow's SQL store keeps sqlite's
+    write lock when a KeyboardInterrupt lands inside its transaction, so the run's KILLED update
+    then waits out the 20 s busy timeout and fails with "database is locked", leaving the run
+    RUNNING (seen in about 1 of 15 Ctrl-C's on a DPFormer run that logs every epoch)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    caught: list[int] = []
+
+    def defer(signum, frame):
+        caught.append(signum)
+
+    previous = {}
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        if signal.getsignal(sig) is not None:  # None: a handler set outside Python, which cannot be restored
+            previous[sig] = signal.signal(sig, defer)
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        if caught:
+            signal.raise_signal(caught[0])  # the handler now in force acts on it (an enclosing shield defers it again)
+
+
+@contextlib.contextmanager
 def _store_lock(uri: str) -> Iterator[None]:
     """Hold an exclusive lock next to a sqlite store (no-op for other stores)."""
     if not uri.startswith("sqlite:///"):
@@ -86,6 +116,7 @@ def _store_lock(uri: str) -> Iterator[None]:
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
+@shielded()
 def setup(cfg: DictConfig) -> None:
     """Point MLflow at the configured store (null: MLflow's default, ./mlflow.db) and experiment.
     Creating and migrating a sqlite store, and creating the experiment, happen under a file lock:
@@ -120,6 +151,7 @@ def owner() -> dict[str, str]:
     return {"owner.host": socket.gethostname(), "owner.pid": str(pid), "owner.started": _started(pid) or "?"}
 
 
+@shielded()
 def reap(cfg: DictConfig) -> int:
     """End FAILED every RUNNING run of the store (any experiment) whose owning process, on this
     host, no longer exists (killed with SIGKILL, out of memory, a lost terminal), with the reason
@@ -219,6 +251,7 @@ def for_display(metrics: Mapping[str, float]) -> dict[str, float]:
 VIEW_TAG = "mlflow.sharedViewState."  # + a key: an experiment tag MLflow's UI opens as a "shared view"
 
 
+@shielded()
 def share_view(parent: str, sweep: str, params: list[str], metrics: list[str]) -> str:
     """A runs-table view of a sweep that MLflow's UI opens with ``?viewStateShareKey=<sweep>``: one
     row per cell (filtered by the ``sweep`` tag), unfolded, in run-name order; as columns, those of
@@ -256,26 +289,34 @@ def run(name: str, tags: Mapping[str, str]) -> Iterator[mlflow.ActiveRun]:
     with status 143, as terminated: Ctrl-C stays a KeyboardInterrupt, 130)."""
     with sigterm_raises():
         try:
-            yield mlflow.start_run(run_name=name, tags={**owner(), **dict(tags)})
+            with shielded():
+                active = mlflow.start_run(run_name=name, tags={**owner(), **dict(tags)})
+            yield active
         except Terminated:
-            if mlflow.active_run() is not None:
-                mlflow.end_run(RunStatus.to_string(RunStatus.KILLED))
+            _end(RunStatus.KILLED)
             raise SystemExit(TERMINATED) from None
         except KeyboardInterrupt:
-            if mlflow.active_run() is not None:
-                mlflow.end_run(RunStatus.to_string(RunStatus.KILLED))
+            _end(RunStatus.KILLED)
             raise
         except BaseException as err:
-            if mlflow.active_run() is not None:
-                reason = str(err) if isinstance(err, RunFailed) else f"{type(err).__name__}: {err}"
-                try:
-                    mlflow.set_tag("failed_reason", reason[:4000])
-                except Exception:  # the store itself may be what failed: the run still ends FAILED
-                    log.warning("could not tag the failed run with its reason: %s", reason[:200])
-                mlflow.end_run(RunStatus.to_string(RunStatus.FAILED))
+            reason = str(err) if isinstance(err, RunFailed) else f"{type(err).__name__}: {err}"
+            _end(RunStatus.FAILED, reason)
             raise
         else:
-            mlflow.end_run(RunStatus.to_string(RunStatus.FINISHED))
+            _end(RunStatus.FINISHED)
+
+
+@shielded()
+def _end(status: int, reason: str | None = None) -> None:
+    """End the active run (if any) with ``status``, tagged with ``reason`` when given."""
+    if mlflow.active_run() is None:
+        return
+    if reason is not None:
+        try:
+            mlflow.set_tag("failed_reason", reason[:4000])
+        except Exception:  # the store itself may be what failed: the run still ends FAILED
+            log.warning("could not tag the failed run with its reason: %s", reason[:200])
+    mlflow.end_run(RunStatus.to_string(status))
 
 
 # --- sweeps ------------------------------------------------------------------------------------
@@ -407,6 +448,7 @@ def _client_and_experiments(cfg: DictConfig) -> tuple[mlflow.MlflowClient, list[
     return client, [experiment.experiment_id] if experiment else []
 
 
+@shielded()
 def end_running(cfg: DictConfig, tag: str, value: str, status: str) -> int:
     """End every RUNNING run tagged ``tag = value`` with ``status``; return how many."""
     client, experiments = _client_and_experiments(cfg)
@@ -425,7 +467,7 @@ def finish_sweep(sweep: str, name: str, artifacts: list[str], params: Mapping[st
                  metrics: Mapping[str, float] | None = None, description: str | None = None) -> str:
     """Create the sweep's parent run, log its artifacts, and attach the given cell runs to it
     (a resumed sweep's cells may come from an earlier launch: they are re-tagged with this sweep)."""
-    with run(name, {SWEEP_TAG: sweep, "kind": "sweep", **(tags or {})}) as parent:
+    with run(name, {SWEEP_TAG: sweep, "kind": "sweep", **(tags or {})}) as parent, shielded():
         mlflow.log_params(params)
         for path in artifacts:
             mlflow.log_artifact(path)
@@ -439,16 +481,46 @@ def finish_sweep(sweep: str, name: str, artifacts: list[str], params: Mapping[st
         return parent.info.run_id
 
 
-# --- logging helpers ---------------------------------------------------------------------------
+# --- logging helpers (the active run's writes; each one shielded) -------------------------------
 
+@shielded()
+def log_config(cfg: DictConfig) -> None:
+    """The resolved config, as the run's artifact ``config.yaml``."""
+    mlflow.log_text(OmegaConf.to_yaml(cfg, resolve=True), "config.yaml")
+
+
+@shielded()
+def log_headline(params: Mapping[str, object] | None = None, metrics: Mapping[str, float] | None = None) -> None:
+    """The run's headline params and metrics, unprefixed: the runs table's columns (metrics
+    rounded for display: ``for_display``)."""
+    if params:
+        mlflow.log_params(dict(params))
+    if metrics:
+        mlflow.log_metrics(for_display(metrics))
+
+
+@shielded()
 def log_params(step: str, params: Mapping[str, object]) -> None:
     mlflow.log_params({f"{step}.{k}": v for k, v in params.items()})
 
 
+@shielded()
 def log_metrics(step: str, metrics: Mapping[str, float], at: int | None = None) -> None:
     mlflow.log_metrics({f"{step}.{k}": float(v) for k, v in metrics.items()}, step=at)
 
 
+@shielded()
+def log_artifacts(*paths: Path | str) -> None:
+    for path in paths:
+        mlflow.log_artifact(str(path))
+
+
+@shielded()
+def set_tag(key: str, value: str) -> None:
+    mlflow.set_tag(key, value)
+
+
+@shielded()
 def log_curve(key: str, values: list[float]) -> None:
     """A per-step metric in one request (the training loss can have hundreds of steps)."""
     run_id = mlflow.active_run().info.run_id

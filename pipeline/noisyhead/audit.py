@@ -24,7 +24,6 @@ import logging
 from dataclasses import asdict
 from pathlib import Path
 
-import mlflow
 import numpy as np
 import pandas as pd
 import torch
@@ -118,10 +117,10 @@ def audit_one(name: str, const: config.Constants, cfg: DictConfig, out: Path) ->
         tracking.log_metrics("audit", {"eps_lower": bound.eps_lower, "eps_estimate": min(bound.eps_estimate, 1e6),
                                        "tpr": bound.tpr, "fpr": bound.fpr, "claimed_eps": eps,
                                        "eps_ceiling": bound.eps_ceiling, "eps_power": power})
-        mlflow.set_tag("verdict", outcome)
+        tracking.set_tag("verdict", outcome)
         held = slice(n_sel, None)
         fig = plot.audit_histogram(s_first[held], s_second[held], bound, row, out / f"audit_{name}.png")
-        mlflow.log_artifact(str(fig))
+        tracking.log_artifacts(fig)
     log.info("audit %s: eps >= %.3g at %.0f%% confidence (claimed %g): %s", name, bound.eps_lower,
              100 * a.confidence, eps, outcome.upper())
     return row

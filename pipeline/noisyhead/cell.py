@@ -6,9 +6,8 @@ import logging
 import time
 from pathlib import Path
 
-import mlflow
 import torch
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from pipeline import device, tracking
 from pipeline.noisyhead import attacks, config, data, evaluate, plot, train
@@ -98,9 +97,9 @@ def run(cfg: DictConfig, const: config.Constants) -> Path:
                                               for k, v in shown.items()))
     with tracking.run(name, tags) as active:
         start = time.perf_counter()
-        mlflow.log_params(params)
+        tracking.log_headline(params=params)
         tracking.log_params("compute", {"device": str(dev), "device_name": device.name(dev), "tf32": cfg.compute.tf32})
-        mlflow.log_text(OmegaConf.to_yaml(cfg, resolve=True), "config.yaml")
+        tracking.log_config(cfg)
         device.reset_peak(dev)
         problem = data.run(cfg, const, dev)
         fits = train.run(problem, const, cfg)
@@ -119,11 +118,9 @@ def run(cfg: DictConfig, const: config.Constants) -> Path:
         draw = cfg.plot.get("cell_figures")
         draw = sweep is None if draw is None else bool(draw)
         figs = plot.figures(results, cfg.plot, out, labels=method_labels(cfg)) if draw else []
-        mlflow.log_metrics(tracking.for_display(headline_metrics(results)))
-        mlflow.set_tag("mlflow.note.content", f"```\n{summary(results)}\n```")  # the run page's Description
-        mlflow.log_artifact(str(csv))
-        for fig in figs:
-            mlflow.log_artifact(str(fig))
+        tracking.log_headline(metrics=headline_metrics(results))
+        tracking.set_tag("mlflow.note.content", f"```\n{summary(results)}\n```")  # the run page's Description
+        tracking.log_artifacts(csv, *figs)
         seconds = time.perf_counter() - start
         tracking.log_metrics("cell", {"seconds": seconds})
     job.finished(active.info.run_id, {"device": str(dev), "device_name": device.name(dev), "seconds": seconds,

@@ -45,7 +45,6 @@ from __future__ import annotations
 import logging
 from dataclasses import asdict
 
-import mlflow
 import numpy as np
 import pandas as pd
 import torch
@@ -216,10 +215,10 @@ def audit_variant(variant: str, cfg: DictConfig, seqs, D: torch.Tensor, D_: torc
                                        "tpr": bound.tpr, "fpr": bound.fpr, "claimed_eps": row["eps"],
                                        "eps_ceiling": bound.eps_ceiling, "eps_power": row["eps_power"],
                                        "canary_norm": row["canary_norm"], "eps_true": row["eps_true"]})
-        mlflow.set_tag("verdict", row["verdict"])
+        tracking.set_tag("verdict", row["verdict"])
         held = slice(int(round(a.select_fraction * row["runs"])), None)
         fig = plot.audit_histogram(s_first[held], s_second[held], bound, row, out / f"audit_seqrec_{variant}.png")
-        mlflow.log_artifact(str(fig))
+        tracking.log_artifacts(fig)
     log.info("audit seqrec %s: eps >= %.3g at %.0f%% confidence (claimed %g; canary's clipped norm %.3g C): %s", name,
              bound.eps_lower, 100 * a.confidence, row["eps"], row["canary_norm"] / row["C"], row["verdict"].upper())
     return row

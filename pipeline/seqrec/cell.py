@@ -15,10 +15,9 @@ import logging
 import time
 from pathlib import Path
 
-import mlflow
 import pandas as pd
 import torch
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from pipeline import device, tracking
 from pipeline.sweep import progress
@@ -75,8 +74,8 @@ def run(cfg: DictConfig) -> Path:
     name = cell_name(cfg)
     k = int(cfg.seqrec.k)
     with tracking.run(name, tags) as active:
-        mlflow.log_text(OmegaConf.to_yaml(cfg, resolve=True), "config.yaml")
-        mlflow.log_params(headline_params(cfg))
+        tracking.log_config(cfg)
+        tracking.log_headline(params=headline_params(cfg))
         tracking.log_params("data", {**seqs.stats(), "L": seqs.L, "seed": cfg.seed})
         tracking.log_params("train", {
             "model": train.model_name(cfg.model), "clipping": cfg.clipping.name, "rule": cfg.clipping.rule,
@@ -115,7 +114,7 @@ def run(cfg: DictConfig) -> Path:
             "delta": run_plan.delta, "sigma": run_plan.sigma, "batch_size": run_plan.batch_size,
             "lr": float(cfg.seqrec.lr), "epochs": int(cfg.seqrec.epochs), "L": seqs.L, "seed": int(cfg.seed),
             **row} for row in rows])
-        mlflow.log_metrics(tracking.for_display(headline_metrics(rows, train.model_name(cfg.model), k)))
+        tracking.log_headline(metrics=headline_metrics(rows, train.model_name(cfg.model), k))
         for row in rows:
             tracking.log_metrics(f"evaluate.{row['method']}", {f"{row['split']}_{key}": row[key]
                                                                for key in (f"ndcg{k}", f"hit{k}") if row.get(key) is not None})
@@ -125,8 +124,7 @@ def run(cfg: DictConfig) -> Path:
         curves = out / "history.csv"
         history.frame().to_csv(curves, index=False)
         fig = plot.curves(history, out / "curves.png", title=name, k=k)
-        for path in (csv, curves, fig):
-            mlflow.log_artifact(str(path))
+        tracking.log_artifacts(csv, curves, fig)
         cell_seconds = time.perf_counter() - start
         tracking.log_metrics("cell", {"seconds": cell_seconds})
     job.finished(active.info.run_id, {"device": str(dev), "device_name": device.name(dev), "seconds": cell_seconds,

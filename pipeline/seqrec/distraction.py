@@ -191,8 +191,6 @@ def table(summ: pd.DataFrame, k: int) -> str:
 
 def run(cfg: DictConfig) -> Path:
     """The measurement of ``cfg`` (validated by the preflight), logged to MLflow; returns its results.csv."""
-    import mlflow
-
     from pipeline import device, sweep, tracking
     from pipeline.seqrec import data, plot
 
@@ -210,7 +208,7 @@ def run(cfg: DictConfig) -> Path:
     name = f"distraction {cfg.dataset.name} {train.model_name(cfg.model)}"
     with tracking.run(name, {"kind": "distraction", "task": "seqrec", "dataset": cfg.dataset.name,
                              "model": train.model_name(cfg.model)}):
-        mlflow.log_text(OmegaConf.to_yaml(cfg, resolve=True), "config.yaml")
+        tracking.log_config(cfg)
         tracking.log_params("data", {**seqs.stats(), "L": seqs.L, "seed": cfg.seed})
         tracking.log_params("distraction", {"eps": list(d.eps), "noise": list(d.noise), "uniform_std": d.uniform_std,
                                             "draws": d.draws, "users": d.users, "buckets": list(d.buckets),
@@ -238,8 +236,7 @@ def run(cfg: DictConfig) -> Path:
                   f"Tail: the {d.buckets[0]:.0%} of items held by fewest training users.\n\n")
         md.write_text(header + table(summ, k))
         fig = plot.distraction(summ, out / "distraction.png", k=k)
-        for path in (csv, md, fig):
-            mlflow.log_artifact(str(path))
+        tracking.log_artifacts(csv, md, fig)
         metrics = {f"{r.noise}.eps{r.eps:g}.{r.variant}.{m}": float(getattr(r, m))
                    for r in summ.itertuples(index=False) for m in ("tail", "relevant", "ndcg")}
         clean = results[results.variant == "clean"].iloc[0]
