@@ -6,7 +6,7 @@ import pytest
 import yaml
 from omegaconf import OmegaConf
 
-from pipeline.seqrec import sweep, tuning
+from pipeline.seqrec import sweep, train, tuning
 from pipeline.validation import ConfigError
 
 
@@ -86,7 +86,8 @@ def test_gains_are_taken_over_the_configured_reference():
     """An ablation sweep pairs each variant with its own uncorrected model (seqrec.gain_over)."""
     rows = []
     for seed in range(3):
-        for model, ndcg in (("dpformer:form-off", 10.0), ("dpformer", 11.0 + 0.1 * seed), ("transformer", 5.0)):
+        for model, ndcg in (("dpformer:form-off", 10.0), ("dpformer", 11.0 + 0.1 * seed), ("transformer", 5.0),
+                            ("dpformer:form-off:errors-adam", 10.0)):  # a control: no gain over an uncorrected model
             rows.append(dict(method=model, model=model, split="test", clipping="phantom", eps=8.0, lr=0.01,
                              batch_size=128, seed=seed, ndcg10=ndcg))
     results = pd.DataFrame(rows)
@@ -95,6 +96,9 @@ def test_gains_are_taken_over_the_configured_reference():
     assert list(over_off.index) == ["dpformer"] and over_off.loc["dpformer", "gain_mean"] == pytest.approx(0.11)
     over_vanilla = sweep.gains(results, long, 10, 0.2).set_index("variant")
     assert over_vanilla.loc["dpformer", "gain_mean"] == pytest.approx(1.22) and "dpformer:form-off" in over_vanilla.index
+    assert [train.uncorrected(m) for m in ("dpformer:form-off", "dpformer:presence-public:form-off:errors-adam",
+                                           "dpformer:form-paper", "dpformer", "transformer")] == [True, True, False,
+                                                                                                 False, False]
 
 
 @pytest.mark.parametrize("text", ["", "[1, 2]\n", "gru: {lr: -1, batch_size: 128}\n", "gru: {lr: 0.01}\n",

@@ -34,7 +34,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from pipeline import report as reporting
 from pipeline import sweep
-from pipeline.seqrec import cell, plot, tuning
+from pipeline.seqrec import cell, plot, train, tuning
 from pipeline.seqrec.evaluate import BASELINES
 from pipeline.seqrec.plot import NON_PRIVATE, label
 
@@ -120,7 +120,7 @@ def gains(results: pd.DataFrame, long: pd.DataFrame, k: int, paper: float, level
     shown = long[long["model"] != "popular"].set_index(["model", "eps"])
     out = []
     variants = [m for m in dict.fromkeys(test["method"]) if str(m).startswith("dpformer") and m != reference
-                and not ("form-off" in str(m) and "form-off" in reference)]  # uncorrected controls: no gain to take
+                and not (train.uncorrected(m) and train.uncorrected(reference))]  # an ablation's controls: no gain to take
     for variant in variants:
         for e in sorted(test["eps"].unique(), key=lambda x: (math.isinf(x), x)):
             if (variant, e) not in shown.index or (reference, e) not in shown.index:

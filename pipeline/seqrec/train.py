@@ -85,6 +85,12 @@ def model_name(cfg, ablations: bool = True) -> str:
     return ":".join(parts)
 
 
+def uncorrected(name: str) -> bool:
+    """Whether the model named ``name`` (a ``model_name``) runs Re-Attention with its correction
+    off (``form-off``): an ablation's control, the same model and streams without the correction."""
+    return "form-off" in str(name).split(":")
+
+
 def build(cfg, n_items: int, max_len: int) -> models.SeqModel:
     """The model ``cfg`` (a ``conf/seqrec/model/*.yaml``) names, for M = n_items and inputs of length max_len."""
     common = dict(dropout=float(cfg.dropout), tied=bool(cfg.tied), init_std=float(cfg.init_std))
