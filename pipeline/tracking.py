@@ -18,6 +18,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import json
 import logging
@@ -483,13 +484,27 @@ def finish_sweep(sweep: str, name: str, artifacts: list[str], params: Mapping[st
 
 # --- logging helpers (the active run's writes; each one shielded) -------------------------------
 
-@shielded()
+def _to_active_run(write):
+    """``write`` logs to the active run, shielded; outside a run (a test or a notebook calling a
+    step such as ``data.run`` directly) it does nothing: MLflow's fluent API would start a run in
+    ./mlflow.db and leave it RUNNING (seen: a fresh clone's test suite left one there)."""
+    @functools.wraps(write)
+    def logged(*args, **kwargs):
+        if mlflow.active_run() is None:
+            return None
+        with shielded():
+            return write(*args, **kwargs)
+
+    return logged
+
+
+@_to_active_run
 def log_config(cfg: DictConfig) -> None:
     """The resolved config, as the run's artifact ``config.yaml``."""
     mlflow.log_text(OmegaConf.to_yaml(cfg, resolve=True), "config.yaml")
 
 
-@shielded()
+@_to_active_run
 def log_headline(params: Mapping[str, object] | None = None, metrics: Mapping[str, float] | None = None) -> None:
     """The run's headline params and metrics, unprefixed: the runs table's columns (metrics
     rounded for display: ``for_display``)."""
@@ -499,28 +514,28 @@ def log_headline(params: Mapping[str, object] | None = None, metrics: Mapping[st
         mlflow.log_metrics(for_display(metrics))
 
 
-@shielded()
+@_to_active_run
 def log_params(step: str, params: Mapping[str, object]) -> None:
     mlflow.log_params({f"{step}.{k}": v for k, v in params.items()})
 
 
-@shielded()
+@_to_active_run
 def log_metrics(step: str, metrics: Mapping[str, float], at: int | None = None) -> None:
     mlflow.log_metrics({f"{step}.{k}": float(v) for k, v in metrics.items()}, step=at)
 
 
-@shielded()
+@_to_active_run
 def log_artifacts(*paths: Path | str) -> None:
     for path in paths:
         mlflow.log_artifact(str(path))
 
 
-@shielded()
+@_to_active_run
 def set_tag(key: str, value: str) -> None:
     mlflow.set_tag(key, value)
 
 
-@shielded()
+@_to_active_run
 def log_curve(key: str, values: list[float]) -> None:
     """A per-step metric in one request (the training loss can have hundreds of steps)."""
     run_id = mlflow.active_run().info.run_id

@@ -26,13 +26,17 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(autouse=True)
 def _tracking_uri_restored():
     """Whatever MLflow tracking URI a test sets (``tracking.setup`` sets it process-wide) is undone
-    after it, so that no test depends on the ones before it."""
+    after it, so that no test depends on the ones before it; and no test may leave an MLflow run
+    active in the process (a step called outside a run once started one in ./mlflow.db)."""
     from mlflow.tracking._tracking_service import utils
 
     before = utils._tracking_uri  # None when unset (MLflow has no public getter that says so)
     yield
+    active = mlflow.active_run()
     if utils._tracking_uri != before:
         mlflow.set_tracking_uri(before)
+    if active is not None:
+        pytest.fail(f"the test left MLflow run {active.info.run_id} ({active.info.run_name}) active")
 
 
 @pytest.fixture

@@ -81,15 +81,28 @@ def test_every_store_write_goes_through_tracking():
 
 
 def test_tracking_writes_are_shielded():
-    """Each function of ``tracking`` that writes to the store is decorated ``@shielded()`` or writes
-    inside ``with ... shielded()`` (a new helper must be too)."""
+    """Each function of ``tracking`` that writes to the store is decorated ``@shielded()`` or
+    ``@_to_active_run`` (shielded too), or writes inside ``with ... shielded()`` (a new helper must be too)."""
     source = Path(tracking.__file__).read_text()
     unshielded = []
     for node in ast.parse(source).body:
         if not isinstance(node, ast.FunctionDef):
             continue
         text = ast.get_source_segment(source, node)
-        decorated = any(ast.unparse(d) == "shielded()" for d in node.decorator_list)
+        decorated = any(ast.unparse(d) in ("shielded()", "_to_active_run") for d in node.decorator_list)
         if WRITES.search(text) and not decorated and "shielded():" not in text:
             unshielded.append(node.name)
     assert unshielded == []
+
+
+def test_a_step_called_outside_a_run_logs_nothing_and_starts_no_run(tmp_path, monkeypatch):
+    """``data.run`` or ``train.run`` called from a test or a notebook: MLflow's fluent API would
+    start a run in ./mlflow.db for the first write and leave it RUNNING."""
+    monkeypatch.chdir(tmp_path)
+    tracking.log_params("data", {"seed": 0})
+    tracking.log_metrics("train", {"loss": 1.0}, at=1)
+    tracking.log_curve("train.loss", [1.0, 0.5])
+    tracking.log_headline(params={"N": 10}, metrics={"risk": 0.5})
+    tracking.set_tag("verdict", "pass")
+    assert mlflow.active_run() is None
+    assert not (tmp_path / "mlflow.db").exists() and not (tmp_path / "mlruns").exists()
