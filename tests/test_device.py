@@ -213,3 +213,12 @@ def test_a_noisyhead_cuda_cell_runs_end_to_end_and_logs_its_device(tmp_path):
     assert runs["params.compute.device"].iloc[0].startswith("cuda")
     assert float(runs["metrics.compute.peak_memory_gb"].iloc[0]) > 0
     assert float(runs["metrics.train.noisyhead.seconds_per_step"].iloc[0]) > 0
+
+
+def test_the_gpu_checks_script_refuses_an_unknown_part_before_anything(tmp_path):
+    out = tmp_path / "checks"
+    done = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu_checks.sh"), str(out), "tests", "bogus"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines() == ["error: unknown part 'bogus' (env, tests, step, figures, amazon)"]
+    assert done.stdout == "" and not out.exists()
