@@ -11,8 +11,8 @@ the untied Transformer at d and at d/2 (the paper's footnote 5). Each (engine, B
 own process: one warm-up step, then the median of ``--repeats`` timed steps (forward, clipped sum,
 noise, Adam). Peak memory: on CPU the growth of the process's peak resident set over its size
 before the first step (``ru_maxrss``), on CUDA ``max_memory_allocated`` minus the memory allocated
-before the first step. A combination whose estimated memory exceeds ``--mem-gb`` is skipped and
-listed as such. Ratios are to the non-private step of the same (B, L, M). Item ids are drawn from
+before the first step. A combination whose estimated memory exceeds ``--mem-gb`` (default: 8 GB on the CPU,
+90% of the GPU's memory on CUDA) is skipped and listed as such. Ratios are to the non-private step of the same (B, L, M). Item ids are drawn from
 a Zipf law (repeats within a sequence), a quarter of the positions left-padded.
 
 ``--figure`` draws the paper's Figure 3 comparison from the rows (``figure``): time per step and
@@ -144,7 +144,7 @@ def estimate_gb(engine: str, model: str, B: int, L: int, M: int, d: int = 64) ->
     est = 4 * B * L * M * f
     if engine == "per_sample":
         est += 2 * B * (M + 1) * d * f
-    if engine in ("phantom", "ghost"):
+    if engine.split("/")[0] in ("phantom", "ghost"):  # phantom/backward too
         est += B * L * M * f + 8 * B * L * L * f
     return est
 
@@ -192,13 +192,12 @@ def worker(engine: str, model_name: str, B: int, L: int, M: int, repeats: int, t
         train.noisy_gradient(eng, model, rows[:, :-1], rows[:, 1:], sigma=sigma, C=1.0, expected_batch=B,
                              generator=noise_gen)
         opt.step()
-        if dev.type == "cuda":
-            torch.cuda.synchronize()
+        device.synchronize(dev)
 
-    if dev.type == "cuda":
-        torch.cuda.synchronize()
-        base = torch.cuda.memory_allocated()
-        torch.cuda.reset_peak_memory_stats()
+    if dev.type == "cuda":  # every CUDA call on dev (cuda:N), not on the current device
+        device.synchronize(dev)
+        base = torch.cuda.memory_allocated(dev)
+        device.reset_peak(dev)
     else:
         base = rss_bytes()
     step()  # warm-up (the same peak as a timed step)
@@ -208,7 +207,7 @@ def worker(engine: str, model_name: str, B: int, L: int, M: int, repeats: int, t
         step()
         times.append(time.perf_counter() - t0)
     if dev.type == "cuda":
-        peak = torch.cuda.max_memory_allocated() - base
+        peak = torch.cuda.max_memory_allocated(dev) - base
     else:
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - base
     return {"seconds": statistics.median(times), "peak_gb": peak / 2**30, "device": str(dev),
@@ -225,7 +224,8 @@ def main(argv=None) -> None:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--device", default="auto", help="auto (CUDA where torch sees one), cpu, cuda or cuda:N")
-    ap.add_argument("--mem-gb", type=float, default=8.0, help="skip combinations estimated above this")
+    ap.add_argument("--mem-gb", type=float, default=None,
+                    help="skip combinations estimated above this (default: 8 on the CPU, 90%% of a GPU's memory)")
     ap.add_argument("--json", default=None, help="also write the rows here")
     ap.add_argument("--figure", default=None, help="also draw Figure 3 (ratios to the non-private step) here, PNG")
     ap.add_argument("--from-json", default=None, help="no timing: draw --figure from rows saved by --json")
@@ -259,9 +259,13 @@ def main(argv=None) -> None:
     from pipeline.validation import ConfigError
 
     try:
-        device.resolve(args.device)
+        dev = device.resolve(args.device)
     except ConfigError as err:
         fail(f"--device: {err}")
+    if args.mem_gb is None:
+        import torch
+
+        args.mem_gb = 0.9 * torch.cuda.get_device_properties(dev).total_memory / 2**30 if dev.type == "cuda" else 8.0
     engines, models = {e for e, _ in ENGINES}, {m for _, m in ENGINES}
     for pair in args.engines:
         engine, _, model = pair.partition(":")

@@ -35,14 +35,28 @@ def parse(spec) -> tuple[str, int | None]:
     return match.group(1), None if match.group(2) is None else int(match.group(2))
 
 
+def _unsupported(spec, supported: tuple[str, ...], what: str) -> ConfigError:
+    return ConfigError(f"{KEY} = {spec!r}: {what} runs on {' or '.join(supported)} only in this release")
+
+
+def check_form(spec, supported: tuple[str, ...] = ("cpu", "cuda"), what: str = "this task") -> tuple[str, int | None]:
+    """``parse``, and a ConfigError where ``what`` (a task) cannot run on the kind named: the checks
+    that hold on any machine. A cell that runs on another machine (a SLURM node) is checked so where
+    it is submitted, and ``resolve``d where it runs."""
+    kind, index = parse(spec)
+    if kind != "auto" and kind not in supported:
+        raise _unsupported(spec, supported, what)
+    return kind, index
+
+
 def resolve(spec, supported: tuple[str, ...] = ("cpu", "cuda"), what: str = "this task") -> torch.device:
     """The device ``spec`` names on this machine, for ``what`` (a task), which runs on ``supported``
     kinds; ConfigError where the machine or the task cannot honour it."""
-    kind, index = parse(spec)
+    kind, index = check_form(spec, supported, what)
     if kind == "auto":
         kind = "cuda" if "cuda" in supported and torch.cuda.is_available() else "cpu"
-    if kind not in supported:
-        raise ConfigError(f"{KEY} = {spec!r}: {what} runs on {' or '.join(supported)} only in this release")
+        if kind not in supported:
+            raise _unsupported(spec, supported, what)
     if kind == "cuda":
         if not torch.cuda.is_available():
             raise ConfigError(f"{KEY} = {spec!r}: torch sees no CUDA device on this machine (torch "
@@ -54,11 +68,16 @@ def resolve(spec, supported: tuple[str, ...] = ("cpu", "cuda"), what: str = "thi
     return torch.device("cpu")
 
 
-def of(cfg: DictConfig, supported: tuple[str, ...] = ("cpu", "cuda"), what: str = "this task") -> torch.device:
-    """``resolve`` of the config's ``compute.device`` (and ``compute.tf32`` checked: true or false)."""
+def of(cfg: DictConfig, supported: tuple[str, ...] = ("cpu", "cuda"), what: str = "this task",
+       here: bool = True) -> torch.device | None:
+    """``resolve`` of the config's ``compute.device`` (and ``compute.tf32`` checked: true or false);
+    ``here=False`` (a cell that runs on another machine): ``check_form`` only, and None."""
     compute = cfg.get("compute") or {}
     if not isinstance(compute.get("tf32", False), bool):
         raise ConfigError(f"compute.tf32 must be true or false, got {compute.get('tf32')!r}")
+    if not here:
+        check_form(compute.get("device", "auto"), supported, what)
+        return None
     return resolve(compute.get("device", "auto"), supported, what)
 
 
@@ -69,7 +88,8 @@ def configure(cfg: DictConfig, device: torch.device) -> None:
     if device.type == "cuda":
         tf32 = bool((cfg.get("compute") or {}).get("tf32", False))
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # cuBLAS's deterministic mode
-        torch.cuda.set_device(device)
+        if device.index is not None:  # resolve's devices have one; torch.device("cuda") is the current one already
+            torch.cuda.set_device(device.index)
         torch.use_deterministic_algorithms(True, warn_only=True)
         torch.backends.cuda.matmul.allow_tf32 = tf32
         torch.backends.cudnn.allow_tf32 = tf32
@@ -92,11 +112,15 @@ def name(device: torch.device) -> str:
 
 
 def free_memory(device: torch.device) -> int | None:
-    """Bytes free on a CUDA device (None for the CPU: ``pipeline.preflight`` reads MemAvailable)."""
+    """Bytes a cell can allocate on a CUDA device (None for the CPU: ``pipeline.preflight`` reads
+    MemAvailable): what the driver reports free, plus what torch's caching allocator holds reserved
+    but unused in this process (an earlier cell's freed tensors, which the driver counts as used:
+    without them a sweep of cells in one process would refuse a cell that fits)."""
     if device.type != "cuda":
         return None
     free, _ = torch.cuda.mem_get_info(device)
-    return int(free)
+    cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    return int(free + max(cached, 0))
 
 
 def reset_peak(device: torch.device) -> None:

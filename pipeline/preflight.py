@@ -44,23 +44,26 @@ def _fingerprint(cfg: DictConfig) -> str:
 
 
 def check(cfg: DictConfig, output: str | Path | None = None, key: str | None = None, concurrent: int = 1,
-          remember: bool = False) -> Any:
+          remember: bool = False, here: bool = True) -> Any:
     """Every check of one cell: its task's validation, its device, then its output folder ``output``
     (named ``key``; default: the Hydra job's, or the working directory outside Hydra), the MLflow
     store, and its memory (times ``concurrent`` cells at once). Returns what the validation
-    derived; ``remember``: also for ``checked`` (a single run, checked by the callback)."""
+    derived; ``remember``: also for ``checked`` (a single run, checked by the callback).
+    ``here=False``: the cell runs on another machine (``runs_here``), so its device's form only:
+    whether that machine has the device, and the memory for it, are checked where it runs."""
     task = tasks.get(cfg)
     found = task.validate(cfg)
     if "audit" in cfg:  # python -m pipeline.audit (conf/audit.yaml)
         device.of(cfg, task.audit_devices, f"the {task.name} audit")
     else:  # a device this machine has and the task runs on
-        device.of(cfg, task.devices, f"task={task.name}")
+        device.of(cfg, task.devices, f"task={task.name}", here=here)
     if output is None:
         output, key = _job_output()
     folder(output, key or "output folder")
     report_dir(cfg)
     tracking_store(cfg)
-    memory(cfg, task.memory(cfg, found), concurrent)
+    if here:
+        memory(cfg, task.memory(cfg, found), concurrent)
     if remember:
         _CHECKED[_fingerprint(cfg)] = found
     return found
@@ -226,6 +229,13 @@ def _size(n: float) -> str:
     return f"{n / 1e3:.3g} kB"
 
 
+def runs_here(cfg: DictConfig) -> bool:
+    """Whether a sweep's cells run on this machine: not under ``hydra/launcher=submitit_slurm``,
+    whose jobs run on the cluster's nodes (a GPU node's device is not the submitting machine's)."""
+    launcher = (cfg.hydra.get("launcher") or {}) if "hydra" in cfg else {}
+    return "SlurmLauncher" not in str(launcher.get("_target_", ""))
+
+
 def jobs(cfg: DictConfig) -> int:
     """Cells that run at once on this machine: joblib's ``n_jobs`` (-1: every core, -k: all but
     k - 1), else 1 (the basic launcher runs one after another; submitit's jobs run elsewhere)."""
@@ -245,6 +255,7 @@ def memory(cfg: DictConfig, need: Memory | None, concurrent: int = 1) -> None:
     available = device.free_memory(torch.device(need.device)) if on_gpu else available_memory()
     if available is None:
         return
+    available += need.held  # what this process holds that the cell reuses or frees first
     total = need.total * concurrent
     if total <= available:
         return

@@ -28,6 +28,7 @@ class Memory:
     value: object
     advice: str
     device: str = "cpu"  # where the tensors live: a CUDA device's free memory is what they must fit in
+    held: int = 0  # bytes this process holds already that the cell reuses or frees before it allocates
 
     @property
     def total(self) -> int:

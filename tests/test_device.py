@@ -5,6 +5,7 @@ elsewhere, CI included (tests/conftest.py)."""
 
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 import sys
 from pathlib import Path
@@ -84,6 +85,83 @@ def test_noisyhead_runs_where_cuda_is_and_must_fit_the_gpus_free_memory(cfg_for,
     monkeypatch.setattr(device, "free_memory", lambda dev: need.total // 2)
     with pytest.raises(ConfigError, match=r"^regime.N = 2000: .* are free on cuda:0; lower regime.N or trials"):
         preflight.memory(cfg, need)
+
+
+@pytest.mark.parametrize("dev, made_current", [(torch.device("cuda"), []), (torch.device("cuda", 1), [1])])
+def test_configure_takes_a_cuda_device_with_or_without_its_index(monkeypatch, dev, made_current):
+    """``torch.device("cuda")`` (no index: the current device) is configured, not refused: torch's
+    ``set_device`` wants an index, and its own check (``_get_device_index``) raised here before."""
+    calls = []
+    monkeypatch.setattr(torch.cuda, "set_device", lambda d: calls.append(torch.cuda._utils._get_device_index(d)))
+    monkeypatch.setattr(torch, "use_deterministic_algorithms", lambda on, warn_only=False: calls.append((on, warn_only)))
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    tf32 = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32  # torch's flags, restored below
+    try:
+        device.configure(OmegaConf.create({"compute": {"tf32": True}}), dev)
+        assert calls == [*made_current, (True, True)]
+        assert torch.backends.cuda.matmul.allow_tf32 and torch.backends.cudnn.allow_tf32
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = tf32
+
+
+def test_free_gpu_memory_counts_what_torchs_cache_holds_unused(monkeypatch):
+    """The driver counts memory torch's caching allocator reserved (an earlier cell's freed tensors)
+    as used; a cell in the same process can allocate it: free = driver's free + reserved - allocated."""
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda dev: (10 * 2**30, 80 * 2**30))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda dev: 37 * 2**30)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda dev: 2 * 2**30)
+    assert device.free_memory(torch.device("cuda", 0)) == 45 * 2**30
+    assert device.free_memory(torch.device("cpu")) is None
+
+
+def test_a_slurm_cell_is_checked_for_its_device_where_it_runs(cfg_for, monkeypatch):
+    """Under submitit_slurm a cell runs on a node: the submitting machine (often without a GPU) checks
+    the device's form and the task's kinds only; a machine's own checks refuse it elsewhere."""
+    from pipeline import preflight
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    slurm = cfg_for("compute.device=cuda", "trials=20", "regime.N=300", "hydra/launcher=submitit_slurm", hydra=True)
+    local = cfg_for("compute.device=cuda", "trials=20", "regime.N=300", "hydra/launcher=submitit_local", hydra=True)
+    assert not preflight.runs_here(slurm) and preflight.runs_here(local) and preflight.runs_here(cfg_for(hydra=True))
+    assert device.of(slurm, here=False) is None
+    with pytest.raises(ConfigError, match=r"^compute.device = 'cuda': torch sees no CUDA device"):
+        device.of(slurm)
+    for spec in ("gpu", "cuda:x"):  # the form is checked wherever the cell runs
+        with pytest.raises(ConfigError, match=r"is unknown; known: auto, cpu, cuda, cuda:N"):
+            device.of(cfg_for(f"compute.device={spec}"), here=False)
+    with pytest.raises(ConfigError, match=r"the noisyhead audit runs on cpu only"):
+        device.of(cfg_for("compute.device=cuda"), ("cpu",), "the noisyhead audit", here=False)
+
+
+def test_a_noisyhead_cell_counts_the_previous_cells_prompts_as_its_own_memory(cfg_for, monkeypatch):
+    """The previous cell's problem (kept for a cell with the same data) is memory the next cell reuses
+    or frees before drawing: its memory check counts it as available, and it is freed before the
+    cell's peak memory is reset unless the cell reuses it."""
+    from pipeline import preflight
+    from pipeline.noisyhead import config, data
+    from pipeline.noisyhead.task import TASK
+
+    monkeypatch.setattr(data, "_last", None)
+    cfg = cfg_for("regime.N=300", "trials=20", "dataset.n_test=50", "compute.device=cpu")
+    const = config.validate(cfg)
+    assert data.held_bytes("cpu") == 0
+    problem = data.make_problem(cfg, const, torch.device("cpu"))
+    tensors = [problem.train.q, problem.train.v, problem.train.y, problem.private.q, problem.private.v,
+               problem.private.y, problem.test.q, problem.test.v, problem.test.y]
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
+    assert data.held_bytes("cpu") == sum(storages.values()) > 0  # each storage once
+    assert data.held_bytes(torch.device("cuda", 0)) == 0  # nothing of it on a GPU
+    need = TASK.memory(cfg, const)
+    assert need.held == data.held_bytes("cpu")
+    monkeypatch.setattr(preflight, "available_memory", lambda: need.total - need.held + 1)
+    preflight.memory(cfg, need)  # fits with the held problem counted
+    with pytest.raises(ConfigError):  # not counted, it would not fit
+        preflight.memory(cfg, dataclasses.replace(need, held=0))
+    data.release_unless_reused(cfg, const, torch.device("cpu"))  # the same data: kept
+    assert data._last is not None and data._last[1] is problem
+    other = cfg_for("regime.N=300", "trials=20", "dataset.n_test=50", "compute.device=cpu", "seed=1")
+    data.release_unless_reused(other, config.validate(other), torch.device("cpu"))
+    assert data._last is None and data.held_bytes("cpu") == 0
 
 
 def test_noisyhead_draws_on_the_cpu_whatever_the_device(cfg_for):
@@ -194,8 +272,8 @@ def test_noisyhead_on_cuda_agrees_with_the_cpu_and_with_itself(cfg_for):
     up to float64 rounding (the draws are the same: ``pipeline.rng`` draws on the CPU)."""
     cfg = cfg_for(*NOISYHEAD_SMALL)
     cpu = _noisyhead_gammas(cfg, torch.device("cpu"))
-    gpu = _noisyhead_gammas(cfg, torch.device("cuda"))
-    again = _noisyhead_gammas(cfg, torch.device("cuda"))
+    gpu = _noisyhead_gammas(cfg, device.resolve("cuda"))
+    again = _noisyhead_gammas(cfg, device.resolve("cuda"))
     for name in cpu:
         assert gpu[name].is_cuda, name
         assert torch.equal(gpu[name], again[name]), name

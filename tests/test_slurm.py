@@ -199,6 +199,24 @@ class _Job:
         return type("Submission", (), {"args": (["seed=1"], "hydra.sweep.dir", 1)})()
 
 
+def test_a_gpu_sweep_is_submitted_from_a_machine_without_one_and_checked_on_its_node(cluster, tmp_path):
+    """``compute.device=cuda`` under SLURM: the submitting machine (no GPU here, as login nodes often
+    have none) checks the device's form only and submits; the node checks its own device. The test
+    cluster's node has no GPU either, so there the cell is refused with its one error line: the
+    sweep reports the cell failed (the node's error in the job's log), and nothing is left RUNNING.
+    (Before, the submitting machine refused the whole sweep: torch sees no CUDA device there.)"""
+    store = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    folder = tmp_path / "sweep"
+    proc = sweep([*CELL, "seqrec.epochs=1", "compute.device=cuda", *SLURM], folder, store, cluster)
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert "1 of 1 cells failed" in proc.stderr, proc.stderr[-3000:]
+    assert list((folder / ".submitit").glob("*")), "not submitted"
+    logs = "".join(p.read_text(errors="replace") for p in (folder / ".submitit").rglob("*.err"))
+    assert "error: compute.device = 'cuda': torch sees no CUDA device" in logs, logs[-3000:]
+    assert "RUNNING" not in statuses(store)
+    assert not queue(cluster)
+
+
 def test_a_job_without_its_result_becomes_a_failed_cell_not_an_exception():
     from submitit.core.utils import UncompletedJobError
 

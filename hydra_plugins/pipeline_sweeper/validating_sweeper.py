@@ -118,8 +118,9 @@ class ValidatingSweeper(BasicSweeper):
         cells = sum(len(b) for b in self.overrides) if self.overrides else len(batch)
         for overrides in batch:
             cfg = loader.load_sweep_config(master_config=self.config, sweep_overrides=list(overrides))
-            try:  # the memory of the cells a joblib launcher runs at once
-                preflight.check(cfg, str(cfg.hydra.sweep.dir), "hydra.sweep.dir", min(preflight.jobs(cfg), cells))
+            try:  # the memory of the cells a joblib launcher runs at once; a SLURM cell's device where it runs
+                preflight.check(cfg, str(cfg.hydra.sweep.dir), "hydra.sweep.dir", min(preflight.jobs(cfg), cells),
+                                here=preflight.runs_here(cfg))
             except ConfigError as err:
                 print(f"error: in the sweep cell {' '.join(overrides)}: {err}", file=sys.stderr)
                 sys.exit(2)
@@ -138,8 +139,10 @@ class ValidatingSweeper(BasicSweeper):
     def _cancel_earlier_jobs(self) -> List[str]:
         """Under ``submitit_slurm``: cancel the jobs an earlier launch into this sweep's submitit
         folder left queued or running (see ``submitit_jobs.cancel_earlier_jobs``)."""
+        from pipeline import preflight
+
         launcher = self.config.hydra.launcher
-        if "SlurmLauncher" not in str(launcher.get("_target_", "")) or not launcher.get("submitit_folder"):
+        if preflight.runs_here(self.config) or not launcher.get("submitit_folder"):
             return []
         folder = Path(str(launcher.submitit_folder))
         folder = folder.parent if "%" in folder.name else folder

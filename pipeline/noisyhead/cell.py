@@ -97,9 +97,10 @@ def run(cfg: DictConfig, const: config.Constants) -> Path:
                                               for k, v in shown.items()))
     with tracking.run(name, tags) as active:
         start = time.perf_counter()
-        tracking.log_headline(params=params)
+        tracking.log_headline_params(params)
         tracking.log_params("compute", {"device": str(dev), "device_name": device.name(dev), "tf32": cfg.compute.tf32})
         tracking.log_config(cfg)
+        data.release_unless_reused(cfg, const, dev)  # the previous cell's prompts are not this cell's peak
         device.reset_peak(dev)
         problem = data.run(cfg, const, dev)
         fits = train.run(problem, const, cfg)
@@ -118,7 +119,7 @@ def run(cfg: DictConfig, const: config.Constants) -> Path:
         draw = cfg.plot.get("cell_figures")
         draw = sweep is None if draw is None else bool(draw)
         figs = plot.figures(results, cfg.plot, out, labels=method_labels(cfg)) if draw else []
-        tracking.log_headline(metrics=headline_metrics(results))
+        tracking.log_headline_metrics(headline_metrics(results))
         tracking.set_tag("mlflow.note.content", f"```\n{summary(results)}\n```")  # the run page's Description
         tracking.log_artifacts(csv, *figs)
         seconds = time.perf_counter() - start

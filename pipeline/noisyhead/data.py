@@ -17,7 +17,7 @@ import json
 import logging
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, is_dataclass
 
 import torch
 from torch import Tensor
@@ -307,11 +307,9 @@ def attack_prompts(cfg: DictConfig) -> int:
     return int(cfg.attack.prompts) if cfg.attack.name != "none" else 0
 
 
-def make_problem(cfg: DictConfig, const: Constants, device: torch.device | str = "cpu") -> Problem:
-    """Build (or reuse) the cell's problem, drawn on the CPU and placed on ``device``."""
-    global _last
-    dtype = getattr(torch, cfg.compute.dtype)
-    key = json.dumps(
+def _key(cfg: DictConfig, const: Constants, device: torch.device | str) -> str:
+    """What a cell's problem depends on: two cells with the same key share one problem."""
+    return json.dumps(
         {
             "dataset": OmegaConf.to_container(cfg.dataset, resolve=True),
             "const": [const.N, const.L, const.D, const.tau, const.C, const.G],
@@ -323,6 +321,48 @@ def make_problem(cfg: DictConfig, const: Constants, device: torch.device | str =
         },
         sort_keys=True,
     )
+
+
+def held_bytes(device: torch.device | str) -> int:
+    """Bytes of the previous cell's problem on ``device`` (its prompts, kept tokens and remembered
+    estimates, each storage once): memory the next cell reuses (the same data) or frees before it
+    draws its own, so that its memory check may count it as available."""
+    if _last is None:
+        return 0
+    device, storages = torch.device(device), {}
+
+    def walk(x) -> None:
+        if isinstance(x, Tensor):
+            if x.device == device:
+                storage = x.untyped_storage()
+                storages[storage.data_ptr()] = storage.nbytes()
+        elif isinstance(x, dict):
+            for value in x.values():
+                walk(value)
+        elif isinstance(x, (list, tuple)):
+            for value in x:
+                walk(value)
+        elif is_dataclass(x):
+            for f in fields(x):
+                walk(getattr(x, f.name))
+
+    walk(_last[1])
+    return sum(storages.values())
+
+
+def release_unless_reused(cfg: DictConfig, const: Constants, device: torch.device | str) -> None:
+    """Free the previous cell's problem unless this cell reuses it: before the cell's peak memory is
+    reset, so that the peak a cell logs is its own."""
+    global _last
+    if _last is not None and _last[0] != _key(cfg, const, device):
+        _last = None
+
+
+def make_problem(cfg: DictConfig, const: Constants, device: torch.device | str = "cpu") -> Problem:
+    """Build (or reuse) the cell's problem, drawn on the CPU and placed on ``device``."""
+    global _last
+    dtype = getattr(torch, cfg.compute.dtype)
+    key = _key(cfg, const, device)
     if _last is not None and _last[0] == key:
         log.info("data: reusing the prompts of the previous cell (same data config)")
         return _last[1]

@@ -51,10 +51,11 @@ def needed(cfg: DictConfig, const: Constants) -> dict[str, int]:
     return {"prompts": prompts, "chunk": max(work), "fits": fits}
 
 
-def estimate(cfg: DictConfig, const: Constants, device: str = "cpu") -> Memory:
+def estimate(cfg: DictConfig, const: Constants, device: str = "cpu", held: int = 0) -> Memory:
     """``needed`` on ``device`` (where the prompts, the chunks' temporaries and the estimates live) with
     the key to lower when it does not fit: the chunk when its temporary dominates, the test prompts'
-    count when they outweigh the training prompts, else the larger of N and the trial count."""
+    count when they outweigh the training prompts, else the larger of N and the trial count.
+    ``held``: bytes of the previous cell's problem there (``data.held_bytes``), reused or freed."""
     need = needed(cfg, const)
     n_test = int(cfg.dataset.n_test)
     if need["chunk"] > need["prompts"] + need["fits"]:
@@ -66,4 +67,4 @@ def estimate(cfg: DictConfig, const: Constants, device: str = "cpu") -> Memory:
     else:
         key, value, advice = "trials", cfg.trials, f"lower trials or regime.N (= {const.N})"
     parts = {"prompts": need["prompts"], "largest chunk temporary": need["chunk"], "estimates": need["fits"]}
-    return Memory(parts, key, value, advice, device)
+    return Memory(parts, key, value, advice, device, held)

@@ -20,9 +20,10 @@ class NoisyHead:
 
     def memory(self, cfg: DictConfig, checked):
         from pipeline import device
-        from pipeline.noisyhead import memory
+        from pipeline.noisyhead import data, memory
 
-        return memory.estimate(cfg, checked, str(device.of(cfg, self.devices)))
+        where = device.of(cfg, self.devices)
+        return memory.estimate(cfg, checked, str(where), held=data.held_bytes(where))
 
     def run_cell(self, cfg: DictConfig, checked) -> Path:
         from pipeline.noisyhead import cell
