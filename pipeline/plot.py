@@ -13,7 +13,6 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
-import pandas as pd  # noqa: E402
 
 # Axis and legend names of the results columns (math, as the paper writes them).
 SYMBOLS = {"N": "$N$", "T": "$T$", "eps": r"$\varepsilon$", "delta": r"$\delta$", "attack_c": "$c$",

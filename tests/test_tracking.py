@@ -102,7 +102,8 @@ def test_a_step_called_outside_a_run_logs_nothing_and_starts_no_run(tmp_path, mo
     tracking.log_params("data", {"seed": 0})
     tracking.log_metrics("train", {"loss": 1.0}, at=1)
     tracking.log_curve("train.loss", [1.0, 0.5])
-    tracking.log_headline(params={"N": 10}, metrics={"risk": 0.5})
+    tracking.log_headline_params({"N": 10})
+    tracking.log_headline_metrics({"risk": 0.5})
     tracking.set_tag("verdict", "pass")
     assert mlflow.active_run() is None
     assert not (tmp_path / "mlflow.db").exists() and not (tmp_path / "mlruns").exists()

@@ -75,7 +75,7 @@ def run(cfg: DictConfig) -> Path:
     k = int(cfg.seqrec.k)
     with tracking.run(name, tags) as active:
         tracking.log_config(cfg)
-        tracking.log_headline(params=headline_params(cfg))
+        tracking.log_headline_params(headline_params(cfg))
         tracking.log_params("data", {**seqs.stats(), "L": seqs.L, "seed": cfg.seed})
         tracking.log_params("train", {
             "model": train.model_name(cfg.model), "clipping": cfg.clipping.name, "rule": cfg.clipping.rule,
@@ -114,7 +114,7 @@ def run(cfg: DictConfig) -> Path:
             "delta": run_plan.delta, "sigma": run_plan.sigma, "batch_size": run_plan.batch_size,
             "lr": float(cfg.seqrec.lr), "epochs": int(cfg.seqrec.epochs), "L": seqs.L, "seed": int(cfg.seed),
             **row} for row in rows])
-        tracking.log_headline(metrics=headline_metrics(rows, train.model_name(cfg.model), k))
+        tracking.log_headline_metrics(headline_metrics(rows, train.model_name(cfg.model), k))
         for row in rows:
             tracking.log_metrics(f"evaluate.{row['method']}", {f"{row['split']}_{key}": row[key]
                                                                for key in (f"ndcg{k}", f"hit{k}") if row.get(key) is not None})
