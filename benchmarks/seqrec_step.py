@@ -11,9 +11,10 @@ the untied Transformer at d and at d/2 (the paper's footnote 5). Each (engine, B
 own process: one warm-up step, then the median of ``--repeats`` timed steps (forward, clipped sum,
 noise, Adam). Peak memory: on CPU the growth of the process's peak resident set over its size
 before the first step (``ru_maxrss``), on CUDA ``max_memory_allocated`` minus the memory allocated
-before the first step. A combination whose estimated memory exceeds ``--mem-gb`` (default: 8 GB on the CPU,
-90% of the GPU's memory on CUDA) is skipped and listed as such. Ratios are to the non-private step of the same (B, L, M). Item ids are drawn from
-a Zipf law (repeats within a sequence), a quarter of the positions left-padded.
+before the first step. A combination whose estimated memory exceeds ``--mem-gb`` (default: 8 GB
+on the CPU, 90% of the GPU's memory on CUDA) is skipped and listed as such. Ratios are to the
+non-private step of the same (B, L, M). Item ids are drawn from a Zipf law (repeats within a
+sequence), a quarter of the positions left-padded.
 
 ``--figure`` draws the paper's Figure 3 comparison from the rows (``figure``): time per step and
 peak memory of each private engine over the non-private step's, against the item count M and
