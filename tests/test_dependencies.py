@@ -15,6 +15,7 @@ import functools
 import importlib
 import importlib.metadata as metadata
 import re
+import subprocess
 import sys
 from pathlib import Path
 
@@ -111,3 +112,15 @@ def test_the_check_catches_an_undeclared_import(tmp_path):
     assert found == {"numpy", "sqlalchemy"}
     assert distributions_of("numpy") & runtime
     assert distributions_of("sqlalchemy") == {"sqlalchemy"} and not distributions_of("sqlalchemy") & runtime
+
+
+def test_a_bare_pytest_imports_our_benchmarks_not_opacuss(tmp_path):
+    """opacus's wheel installs a top-level ``benchmarks`` package; a bare ``pytest`` (its console
+    script: no working directory on sys.path) imported that one for ``benchmarks.seqrec_step``
+    until pyproject.toml put the repository root on pytest's path."""
+    script = Path(sys.executable).with_name("pytest")
+    if not script.exists():
+        pytest.skip(f"no pytest console script beside {sys.executable}")
+    done = subprocess.run([str(script), "--collect-only", "-q", "-p", "no:cacheprovider", "tests/test_seqrec_step.py"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
