@@ -74,18 +74,20 @@ def test_dvc_repro_builds_every_artifact_and_then_does_nothing(tmp_path):
     assert "attention_relevant" in table1 and "eps" in table1
     assert "non-private" in (repo / "artifacts/dpformer_table2/nonprivate/table.md").read_text()
     assert (repo / "artifacts/fig4/attack_risk.png").is_file()
-    ablation = pd.read_csv(repo / "artifacts/dpformer_ablation/results.csv")  # Re-Attention's form x errors
-    assert set(ablation["model"]) == {"dpformer:presence-public", "dpformer:presence-public:form-paper",
-                                      "dpformer:presence-public:form-off", "dpformer:errors-adam",
-                                      "dpformer:form-paper:errors-adam", "dpformer:form-off:errors-adam"}
+    ablation = pd.read_csv(repo / "artifacts/dpformer_ablation/results.csv")  # Re-Attention's form x errors x blocks
+    every_block = {"dpformer:presence-public", "dpformer:presence-public:form-paper", "dpformer:presence-public:form-off",
+                   "dpformer:errors-adam", "dpformer:form-paper:errors-adam", "dpformer:form-off:errors-adam"}
+    assert set(ablation["model"]) == every_block | {f"{name}:blocks-2" for name in every_block}
     tuned = yaml.safe_load((repo / "artifacts/dpformer_fig2/tuned.yaml").read_text())["dpformer:presence-public"]
     assert set(zip(ablation["lr"], ablation["batch_size"])) == {(tuned["lr"], tuned["batch_size"])}  # not tuned apart
     gains = pd.read_csv(repo / "artifacts/dpformer_ablation/gains.csv")  # over form-off; its controls left out
-    assert len(gains) == 4 * 2 and not any("form-off" in v for v in gains["variant"])
+    assert len(gains) == 8 * 2 and not any("form-off" in v for v in gains["variant"])
     trained = ablation[(ablation["split"] == "test") & (ablation["method"] == ablation["model"])]
     test = trained.set_index(["model", "eps", "seed"])["ndcg10"]
-    control, reference = test.xs("dpformer:form-off:errors-adam"), test.xs("dpformer:presence-public:form-off")
-    assert control.equals(reference)  # without correction the errors do nothing: the same training, bit for bit
+    reference = test.xs("dpformer:presence-public:form-off")
+    for control in ("dpformer:form-off:errors-adam", "dpformer:presence-public:form-off:blocks-2",
+                    "dpformer:form-off:errors-adam:blocks-2"):  # without correction, errors and blocks do nothing:
+        assert test.xs(control).equals(reference), control  # the same training, bit for bit
     distraction = repo / "artifacts/dpformer_distraction"  # the distraction measurement (pipeline/seqrec/distraction.py)
     assert "| paper | 8 |" in (distraction / "table.md").read_text()
     assert "paper.eps8.corrected.tail" in json.loads((distraction / "metrics.json").read_text())

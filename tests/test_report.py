@@ -200,7 +200,7 @@ def test_the_sweeps_view_shows_its_cells_unfolded_with_the_params_that_vary(tmp_
 def test_every_dpformer_model_and_ablation_variant_has_a_colour_of_its_own():
     """In the ablation's figures two variants shared one colour (a hash of their names). Every name a
     DPFormer figure can hold, the models of conf/seqrec/model/ and the ablation preset's form x errors
-    variants (their names from train.model_name), gets a distinct colour, and keeps it in every figure."""
+    x blocks variants (their names from train.model_name), gets a distinct colour, and keeps it in every figure."""
     from omegaconf import OmegaConf
 
     from pipeline.seqrec import plot as seqrec_plot
@@ -212,10 +212,13 @@ def test_every_dpformer_model_and_ablation_variant_has_a_colour_of_its_own():
     names |= {"popular", "oracle"}
     for form in ("propagated", "paper", "off"):
         for errors in ("paper", "adam"):
-            cfg = OmegaConf.create({"name": "dpformer", "reattention": {"presence": "public", "form": form, "errors": errors}})
-            names.add(model_name(cfg))
-    assert {"dpformer:presence-public:form-off", "dpformer:form-off:errors-adam", "dpformer:errors-adam"} <= names
-    names.add("dpformer:blocks-2")  # a variant not listed anywhere: a colour of the variants' own pool
+            for blocks in (None, [2]):
+                cfg = OmegaConf.create({"name": "dpformer", "reattention": {"presence": "public", "form": form,
+                                                                            "errors": errors, "blocks": blocks}})
+                names.add(model_name(cfg))
+    assert {"dpformer:presence-public:form-off", "dpformer:form-off:errors-adam", "dpformer:errors-adam",
+            "dpformer:form-paper:errors-adam:blocks-2"} <= names
+    names.add("dpformer:blocks-1")  # a variant not listed anywhere: a colour of the variants' own pool
     colours = {name: seqrec_plot.model_color(name) for name in names}
     assert len(set(colours.values())) == len(names), colours
     assert seqrec_plot.model_color("dpformer:errors-adam (non-private)") == colours["dpformer:errors-adam"]

@@ -19,14 +19,21 @@ from pipeline.seqrec.evaluate import BASELINES  # noqa: E402
 # Re-Attention's ablation variants (conf/seqrec/experiment/dpformer_ablation.yaml), each a colour of
 # its own beside pipeline/plot.COLORS (which holds the models and the one-setting variants). The name
 # hash that colours any other name gave two of them one colour; these, and the pool that other
-# variants (``dpformer:blocks-2``, ...) are hashed into, are tab20b shades that neither
-# pipeline/plot.COLORS nor its spare colours use.
+# variants (``dpformer:blocks-1``, ...) are hashed into, are tab20b and tab20c shades that neither
+# pipeline/plot.COLORS nor its spare colours use. A variant correcting block 2 only takes the
+# lightest shade of its every-block counterpart's family.
 VARIANT_COLORS = {
     "dpformer:presence-public:form-off": "#e6550d",   # the ablation's reference: no correction
-    "dpformer:form-off:errors-adam": "#843c39",       # its control (the same training)
+    "dpformer:form-off:errors-adam": "#843c39",       # its controls (the same training)
+    "dpformer:presence-public:form-off:blocks-2": "#fdae6b",
+    "dpformer:form-off:errors-adam:blocks-2": "#e7969c",
     "dpformer:presence-public:form-paper": "#7b4173",
+    "dpformer:presence-public:form-paper:blocks-2": "#de9ed6",
     "dpformer:errors-adam": "#637939",
+    "dpformer:errors-adam:blocks-2": "#cedb9c",
     "dpformer:form-paper:errors-adam": "#393b79",
+    "dpformer:form-paper:errors-adam:blocks-2": "#9c9ede",
+    "dpformer:presence-public:blocks-2": "#6baed6",   # beside pipeline/plot.COLORS' dpformer:presence-public
 }
 VARIANT_POOL = ["#5254a3", "#8ca252", "#bd9e39", "#ad494a", "#a55194", "#6b6ecf", "#b5cf6b", "#e7ba52", "#d6616b", "#ce6dbd"]
 
