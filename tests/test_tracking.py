@@ -14,7 +14,17 @@ from conftest import ROOT
 from pipeline import tracking
 
 
-def test_a_signal_inside_a_shield_acts_when_the_block_ends():
+@pytest.fixture
+def ctrl_c():
+    """Python's Ctrl-C handler for SIGINT while a test runs: a pytest started in the background
+    (nohup, `&` without job control) inherits SIGINT ignored, and Python then installs no handler,
+    so a raised SIGINT did nothing and these tests failed for how they were launched."""
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, before)
+
+
+def test_a_signal_inside_a_shield_acts_when_the_block_ends(ctrl_c):
     done = []
     with pytest.raises(KeyboardInterrupt):
         with tracking.shielded():
@@ -35,7 +45,7 @@ def test_nested_shields_defer_to_the_outermost_and_sigterm_stays_terminated():
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
 
 
-def test_ctrl_c_inside_a_store_write_ends_the_run_killed_with_the_write_whole(tmp_path, monkeypatch):
+def test_ctrl_c_inside_a_store_write_ends_the_run_killed_with_the_write_whole(tmp_path, monkeypatch, ctrl_c):
     """Ctrl-C delivered while a metric write is inside its sqlite transaction (raised from the
     statement itself). Unshielded, this write is lost; in CI the interrupt landed later in such a
     transaction, MLflow's store kept sqlite's write lock, and the KILLED update failed with
