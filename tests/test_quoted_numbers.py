@@ -99,7 +99,7 @@ def test_the_ablation_table_quotes_the_committed_means_and_gains():
     body = (ROOT / DPFORMER).read_text().split("### Re-Attention's ablations", 1)[1].split("\n#", 1)[0]
     gains = {(r["variant"], float(r["eps"])): r for r in csv.DictReader((ROOT / "artifacts/dpformer_ablation/gains.csv").open())}
     rows = [line for line in body.splitlines() if line.startswith("| ") and "(`dpformer:" in line]
-    assert len(rows) == 6, rows
+    assert len(rows) == 12, rows  # form x errors x blocks
     for line in rows:
         cells = [c.strip() for c in line.strip("|").split("|")]
         model = re.search(r"\(`(dpformer:[^`]+)`\)", cells[0]).group(1)
