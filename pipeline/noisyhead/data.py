@@ -366,7 +366,7 @@ def make_problem(cfg: DictConfig, const: Constants, device: torch.device | str =
     if _last is not None and _last[0] == key:
         log.info("data: reusing the prompts of the previous cell (same data config)")
         return _last[1]
-    _last = None  # free the previous problem before drawing the next
+    release_unless_reused(cfg, const, device)  # free the previous problem before drawing the next
     problem = DATASETS[cfg.dataset.name](
         const, trials=cfg.trials, n_test=cfg.dataset.n_test, seed=cfg.seed,
         chunk=cfg.compute.chunk_trials, dtype=dtype, keep=attack_prompts(cfg), dataset=cfg.dataset,

@@ -111,8 +111,9 @@ def figure(df: pd.DataFrame, spec: DictConfig, path: Path, labels: dict[str, str
     for ax, panel in zip(axes[0], panels):
         sub = df if panel is None else df[df[facet] == panel]
         ref = reference(zero if panel is None or facet == "method" else zero[zero[facet] == panel], x, y)
-        if ref is not None:  # a dashed black line under the series: what predicting 0 scores
-            style = dict(ls="--", lw=1, color=color(ZERO), label=labels.get(ZERO, ZERO), zorder=1)
+        if ref is not None:  # a thin dashed black line over the series (so that it shows where a series
+            # sits on it, as every method's test MSE does in beyond_lowdim): what predicting 0 scores
+            style = dict(ls="--", lw=1, color=color(ZERO), label=labels.get(ZERO, ZERO), zorder=3)
             if len(ref) == 1:  # one x: across the panel
                 ax.axhline(float(ref.iloc[0]), **style)
             else:
