@@ -58,6 +58,23 @@ CASES = {
     "report_dir_read_only": (("report.dir={ro}/report",), "report.dir", "{ro}/report"),
     "n_test_huge": (("dataset.n_test=100000000",), "dataset.n_test", "100000000"),
     "key_typo": (("privacy.epss=0.2",), "privacy.epss", "0.2"),
+    # numbers that pass a type check but overflow or underflow what is derived from them
+    "tau_overflows_C": (("regime.tau=1e200",), "regime.tau", "1e+200"),
+    "G_overflows_the_step_rule": (("regime.G=1e100",), "regime.G", "1e+100"),
+    "T_rule_overflows": (("regime.T_log_power=1e308",), "regime.T_log_power", "1e+308"),
+    "init_scale_overflows": (("regime.init_scale=1e308",), "regime.init_scale", "1e+308"),
+    "delta_underflows_per_step": (("privacy.delta=5e-324",), "method.noisyhead", "privacy.delta = 5e-324"),
+    "eps_underflows_per_step": (("privacy.eps=5e-324",), "method.noisyhead", "privacy.eps = 5e-324"),
+    "eps_tiny_tight": (("privacy.eps=1e-300", "privacy.accountant=tight"), "method.noisyhead", "privacy.eps = 1e-300"),
+    "threads_huge": (("compute.threads=100000000",), "compute.threads", "100000000"),
+    # method and report settings read only after the compute
+    "noise_scale_nan": (("method.noisyhead.noise_scale=nan",), "method.noisyhead.noise_scale", "nan"),
+    "dpsgd_batch_size_text": (("method=[ridge,dpsgd]", "method.dpsgd.batch_size=abc"), "method.dpsgd", "'abc'"),
+    "ssp_failure_text": (("method=[ridge,ssp]", "method.ssp.failure=abc"), "method.ssp", "'abc'"),
+    "plot_colors_not_a_map": (("plot.colors=red",), "plot.colors", "red"),
+    "plot_colour_unknown": (("plot.colors={{noisyhead:notacolor}}",), "plot.colors.noisyhead", "notacolor"),
+    "report_table_row_in_a_sweep": (("regime.N=100,200", "report.table={{rows:[nosuch],value:excess_risk}}", "-m"),
+                                    "in the sweep cell", "report.table.rows names 'nosuch'"),
     "key_typo_in_a_sweep": (("regime.N=100,200", "regime.NN=3", "-m"), "regime.NN", "3"),
     # DPFormer (task=seqrec): settings
     "key_typo_seqrec": ((*DPF, "seqrec.lrr=0.1"), "seqrec.lrr", "0.1"),

@@ -13,7 +13,7 @@ from omegaconf import DictConfig, ListConfig
 
 from pipeline import privacy
 from pipeline.noisyhead.constants import Constants
-from pipeline.validation import ConfigError
+from pipeline.validation import MAX_INT, ConfigError
 from pipeline.validation import number as _number
 from pipeline.validation import positive_int as _positive_int
 
@@ -59,7 +59,11 @@ def derive(regime: DictConfig) -> Constants:
     if regime.C is not None:
         C = _positive(regime.C, "regime.C")
     else:
-        C = math.sqrt(2 * (1 + tau**2) * math.log(N * L / kappa))
+        try:
+            C = math.sqrt(2 * (1 + tau**2) * math.log(N * L / kappa))
+        except OverflowError:  # tau**2 beyond float64
+            raise ConfigError(f"regime.tau = {regime.tau!r} is too large: C's rule sqrt(2 (1 + tau^2) log(N L / kappa)) "
+                              "overflows float64") from None
     if regime.G is not None:
         G = _positive(regime.G, "regime.G")
     else:
@@ -72,14 +76,17 @@ def derive(regime: DictConfig) -> Constants:
         R = r_scale * C**2 * math.sqrt(N / L) * (1 + (math.log(1 / kappa) / D**2) ** 0.25)
     for name, value in (("C", C), ("G", G), ("R", R)):
         if not math.isfinite(value) or not math.isfinite(value * value):
-            how = "" if regime[name] is not None else f" by its rule (regime.N = {N}, L = {L}, D = {D})"
+            how = "" if regime[name] is not None else f" by its rule (regime.N = {N}, L = {L}, D = {D}, tau = {tau:g})"
             raise ConfigError(f"regime.{name} = {value:.6g}{how} is too large to compute with (its square overflows)")
     if regime.eta0 is not None:
         eta0 = _positive(regime.eta0, "regime.eta0")
         culprit = f"regime.eta0 = {eta0:.6g} gives"
     else:
         scale = _positive(regime.eta0_scale, "regime.eta0_scale")
-        eta0 = scale * 2 * lam / (3 * (lam + G**2) ** 2)
+        try:
+            eta0 = scale * 2 * lam / (3 * (lam + G**2) ** 2)
+        except OverflowError:  # (lam + G^2)^2 beyond float64: eta0 = 0 in the limit, refused below
+            eta0 = 0.0
         culprit = _step_culprit(regime, N=N, L=L, G=G) + f" eta0 = {eta0:.6g}, for which"
     contraction = 1 - eta0 * lam
     if not 0 < contraction < 1:
@@ -92,7 +99,11 @@ def derive(regime: DictConfig) -> Constants:
     T = regime.T
     if T is None:
         power = _positive(regime.T_log_power, "regime.T_log_power")
-        T = math.floor(power * math.log(N) / math.log(1 / contraction))
+        steps = power * math.log(N) / math.log(1 / contraction)
+        if not steps <= MAX_INT:
+            raise ConfigError(f"regime.T_log_power = {regime.T_log_power!r} gives T = {steps:.3g} steps by the rule "
+                              f"T = floor(T_log_power log N / log(1 / (1 - eta0 lam))), more than 2^53")
+        T = math.floor(steps)
         if T < 1:
             raise ConfigError(f"the rule for regime.T gives T = {T}; set regime.T explicitly")
     Ts = tuple(T) if isinstance(T, (list, tuple, ListConfig)) else (T,)
@@ -114,8 +125,9 @@ def validate(cfg: DictConfig) -> Constants:
     _positive_int(cfg.dataset.n_test, "dataset.n_test")
     _positive_int(cfg.compute.chunk_trials, "compute.chunk_trials")
     threads = cfg.compute.threads
-    if threads is not None:
-        _positive_int(threads, "compute.threads")
+    if threads is not None and _positive_int(threads, "compute.threads") > MAX_THREADS:
+        raise ConfigError(f"compute.threads must be at most {MAX_THREADS} (torch's thread pools crash far beyond "
+                          f"the machine's cores), got {threads!r}")
     if cfg.compute.dtype not in ("float32", "float64"):
         raise ConfigError(f"compute.dtype must be float32 or float64, got {cfg.compute.dtype!r}")
     if cfg.oracle not in ("update", "printed"):
@@ -137,7 +149,10 @@ def validate(cfg: DictConfig) -> Constants:
     const = derive(cfg.regime)
     _check_attack(cfg.attack, N=const.N, D=const.D, tau=const.tau, dtype=cfg.compute.dtype)
     _check_privacy(cfg.privacy)
+    _check_sizes(cfg.regime, const, cfg.compute.dtype)
     for name, spec in cfg.method.items():
+        if "noise_scale" in spec:  # base.noise_scale: the audit's under-noised controls set it below 1
+            _non_negative(spec.noise_scale, f"method.{name}.noise_scale")
         check = getattr(ESTIMATORS[spec.estimator], "check", None)
         problem = check(spec, cfg, const) if check else None
         if problem:
@@ -178,6 +193,25 @@ def _check_dataset(cfg: DictConfig) -> None:
 
 
 FLOAT_MAX = {"float64": 1.7976931348623157e308, "float32": 3.4028234663852886e38}  # by compute.dtype
+MAX_THREADS = 1024  # compute.threads: far above any machine's cores; torch segfaults at 1e8
+
+
+def _check_sizes(regime: DictConfig, const: Constants, dtype: str) -> None:
+    """The noise level tau and the start's scale must leave every number of the algebra finite in
+    ``dtype``: responses below 10 (1 + tau) in practice, so features of norm up to 2 D 10 (1 + tau)
+    (as in ``_check_attack`` with mu = alpha = 0), squared and summed over N prompts; the start's
+    D x D entries init_scale N(0, 1) (below 40 in size), squared in its Frobenius norm."""
+    limit = (math.log10(FLOAT_MAX[dtype]) - math.log10(const.N)) / 2 - 2
+    log_feature = math.log10(const.D) + math.log10(10 * (1 + const.tau)) + math.log10(2)
+    if log_feature > limit:
+        raise ConfigError(f"regime.tau = {regime.tau!r} is too large: the prompts' features reach about "
+                          f"1e{log_feature:.0f}, beyond what {dtype} arithmetic on N = {const.N} prompts can hold "
+                          f"(1e{limit:.0f})")
+    largest = math.sqrt(FLOAT_MAX[dtype]) / (40 * const.D)
+    if const.init_scale > largest:
+        raise ConfigError(f"regime.init_scale = {regime.init_scale!r} is too large: the start's squared Frobenius "
+                          f"norm would overflow {dtype}; keep it below {largest:.3g} (the start is projected onto "
+                          f"the ball of radius R = {const.R:.3g} anyway)")
 
 
 def _check_attack(cfg: DictConfig, *, N: int, D: int, tau: float, dtype: str) -> None:
@@ -265,3 +299,39 @@ def _check_report(cfg: DictConfig) -> None:
     for name in plot.methods or []:
         if isinstance(methods, DictConfig) and name not in methods:
             raise ConfigError(f"plot.methods names {name!r}, which is not among the methods run: {list(methods)}")
+    colors = plot.get("colors")
+    if colors is not None:
+        if not isinstance(colors, DictConfig):
+            raise ConfigError(f"plot.colors must map method names (or legend entries) to colours, got {colors!r}")
+        from matplotlib.colors import is_color_like
+
+        for name, colour in colors.items():
+            if not isinstance(colour, str) or not is_color_like(colour):
+                raise ConfigError(f"plot.colors.{name} = {colour!r} is not a matplotlib colour")
+    _check_table(cfg)
+
+
+def _check_table(cfg: DictConfig) -> None:
+    """``report.table`` (the sweep's table, drawn after every cell): its rows are columns of
+    results.csv, its values measures."""
+    spec = cfg.report.get("table")
+    if not spec:
+        return
+    if not isinstance(spec, DictConfig) or "rows" not in spec or "value" not in spec:
+        raise ConfigError(f"report.table must be {{rows: [columns], value: measure or [measures]}}, got {spec!r}")
+    rows = [spec.rows] if isinstance(spec.rows, str) else list(spec.rows) if isinstance(spec.rows, ListConfig) else None
+    if not rows:
+        raise ConfigError(f"report.table.rows must name columns of results.csv, got {spec.rows!r}")
+    from pipeline.noisyhead.evaluate import COLUMNS
+
+    for row in rows:
+        if row not in COLUMNS:
+            raise ConfigError(f"report.table.rows names {row!r}, which is not a column of results.csv")
+    values = [spec.value] if isinstance(spec.value, str) else list(spec.value) if isinstance(spec.value, ListConfig) else None
+    if not values:
+        raise ConfigError(f"report.table.value must name a measure or a list of them, got {spec.value!r}")
+    for value in values:
+        if value not in PLOT_MEASURES:
+            raise ConfigError(f"report.table.value {value!r} is unknown; known: {list(PLOT_MEASURES)}")
+        if value == "attack_risk" and cfg.attack.name == "none":
+            raise ConfigError("report.table.value attack_risk needs an attack (attack=perturb); with attack=none there is none")

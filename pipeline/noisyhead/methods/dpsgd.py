@@ -21,6 +21,8 @@ gives for (eps, delta) after T steps of the subsampled Gaussian mechanism at rat
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import Tensor
 
@@ -53,8 +55,9 @@ def descend(feats: Features, gamma0: Tensor, *, lam: float, eta0: float, steps: 
 def check(spec, cfg, const) -> str | None:
     if spec.accountant not in ("rdp", "prv"):
         return f"accountant must be 'rdp' or 'prv', got {spec.accountant!r}"
-    if not spec.batch_size > 0:
-        return f"batch_size must be positive, got {spec.batch_size!r}"
+    size = spec.batch_size
+    if isinstance(size, bool) or not isinstance(size, (int, float)) or not 0 < size < math.inf:
+        return f"batch_size (the expected Poisson batch) must be a positive number, got {size!r}"
     if spec.batch_size > cfg.regime.N:
         return f"batch_size {spec.batch_size} exceeds regime.N = {cfg.regime.N}"
     return None

@@ -16,6 +16,8 @@ A method file may set its own ``accountant`` (else ``privacy.accountant``) and `
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import torch
 
@@ -72,14 +74,21 @@ def check(spec, cfg, const) -> str | None:
     if short and accountant == "basic":
         return (f"privacy.eps = {eps} with T = {short[0]} gives a per-step eps of {eps / short[0]:.3g}; "
                 "the basic accountant's Gaussian calibration is only proven for per-step eps < 1")
+    budget = f"privacy.eps = {cfg.privacy.eps!r}, privacy.delta = {cfg.privacy.delta!r}"
+    try:  # the fit's own calibration, before any compute (tight_multiplier is cached for the fit)
+        Ts, stds, _ = calibrate(spec, const, cfg, const.N)
+    except (ValueError, ArithmeticError) as err:  # a per-step budget that underflows, an accountant's overflow
+        return f"{budget}: the noise cannot be calibrated ({err})"
+    largest = math.sqrt(torch.finfo(getattr(torch, cfg.compute.dtype)).max) / (40 * const.D)  # the noise's squared norm
+    for T, std in zip(Ts, stds):
+        if not 0 < std < largest:
+            return f"{budget}: the per-step noise std for T = {T} is {std:.3g}, too large to compute with"
     return None
 
 
-def fit(problem, const, cfg, spec=None, stream: str = "") -> Fit:
-    """``stream`` names the random streams of the start and the noise (a second, independent
-    run on the same data uses another)."""
-    B, N, D = problem.private.shape
-    dtype, device = problem.private.q.dtype, problem.private.q.device
+def calibrate(spec, const, cfg, N: int) -> tuple[tuple[int, ...], tuple[float, ...], list[float]]:
+    """The horizons T, the per-step noise std for each (times ``noise_scale``) and the eps that
+    noise spends at ``privacy.delta``."""
     eps, delta = float(cfg.privacy.eps), float(cfg.privacy.delta)
     accountant = accountant_of(spec, cfg)
     Ts = horizons(spec, const, cfg)
@@ -91,6 +100,18 @@ def fit(problem, const, cfg, spec=None, stream: str = "") -> Fit:
     )
     Delta = privacy.step_sensitivity(eta0=const.eta0, sigma=const.sigma, N=N)
     spent = [privacy.spent_epsilon(multiplier=s / Delta, T=T, delta=delta) for s, T in zip(stds, Ts)]
+    return Ts, stds, spent
+
+
+def fit(problem, const, cfg, spec=None, stream: str = "") -> Fit:
+    """``stream`` names the random streams of the start and the noise (a second, independent
+    run on the same data uses another)."""
+    B, N, D = problem.private.shape
+    dtype, device = problem.private.q.dtype, problem.private.q.device
+    eps, delta = float(cfg.privacy.eps), float(cfg.privacy.delta)
+    accountant = accountant_of(spec, cfg)
+    scale = noise_scale(spec)
+    Ts, stds, spent = calibrate(spec, const, cfg, N)
     T_max = max(Ts)
     step = dict(lam=const.lam, eta0=const.eta0, radius=const.R)
     parts, trace = [], []

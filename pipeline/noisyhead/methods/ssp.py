@@ -58,7 +58,8 @@ PENALTIES = ("adaptive", "oracle")
 def check(spec, cfg, const) -> str | None:
     if spec.penalty not in PENALTIES:
         return f"penalty must be one of {list(PENALTIES)}, got {spec.penalty!r}"
-    if not 0 < spec.failure < 1:
+    failure = spec.failure
+    if isinstance(failure, bool) or not isinstance(failure, (int, float)) or not 0 < failure < 1:
         return f"failure must lie in (0, 1), got {spec.failure!r}"
     return None
 
