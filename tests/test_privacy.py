@@ -222,6 +222,18 @@ def test_ssp_sensitivity_is_exact(C, G):
     assert named.item() == pytest.approx(bound, rel=1e-12)
 
 
+def test_noise_scale_zero_is_accepted_and_removes_the_noise(cfg_for):
+    """The validation's dry run of the calibration refuses a std that underflows, not the zero a
+    deliberate noise_scale = 0 gives (a control without noise)."""
+    from pipeline.noisyhead import config
+    from pipeline.noisyhead.methods import noisyhead
+
+    cfg = cfg_for("regime.N=200", "method.noisyhead.noise_scale=0.0")
+    const = config.validate(cfg)
+    _, stds, _ = noisyhead.calibrate(cfg.method.noisyhead, const, cfg, const.N)
+    assert stds and all(s == 0.0 for s in stds)
+
+
 def test_ssp_without_noise_is_the_ridge_solution_on_the_private_view(cfg_for):
     """noise_scale = 0 removes the noise; what is left must be the oracle's system on the private view."""
     from pipeline.noisyhead import config, data

@@ -81,8 +81,10 @@ def check(spec, cfg, const) -> str | None:
         return f"{budget}: the noise cannot be calibrated ({err})"
     largest = math.sqrt(torch.finfo(getattr(torch, cfg.compute.dtype)).max) / (40 * const.D)  # the noise's squared norm
     for T, std in zip(Ts, stds):
-        if not 0 < std < largest:
+        if not std < largest:  # NaN too
             return f"{budget}: the per-step noise std for T = {T} is {std:.3g}, too large to compute with"
+        if std <= 0 and noise_scale(spec) > 0:  # noise_scale = 0 removes the noise on purpose
+            return f"{budget}: the per-step noise std for T = {T} underflows to {std:g}"
     return None
 
 
