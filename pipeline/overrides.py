@@ -44,6 +44,9 @@ def unknown_choice(argv: Sequence[str]) -> str | None:
         value = value.strip()
         if value.startswith("[") and value.endswith("]"):
             value = value[1:-1]
+        if value == "null" and not arg.startswith("~"):
+            return (f"{group}=null: a config group takes one of its options {options(group)}; to drop the group, "
+                    f"use ~{group}")
         if value in ("", "null") or "$" in value or "(" in value:
             continue  # an empty list, no choice, an interpolation or a sweep function: Hydra's to judge
         known = options(group)

@@ -28,6 +28,7 @@ from urllib.parse import unquote, urlparse
 import torch
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import ConfigAttributeError, ConfigKeyError, MissingMandatoryValue, OmegaConfBaseException
 
 from pipeline import device, tasks
 from pipeline.task import Memory
@@ -50,7 +51,35 @@ def check(cfg: DictConfig, output: str | Path | None = None, key: str | None = N
     store, and its memory (times ``concurrent`` cells at once). Returns what the validation
     derived; ``remember``: also for ``checked`` (a single run, checked by the callback).
     ``here=False``: the cell runs on another machine (``runs_here``), so its device's form only:
-    whether that machine has the device, and the memory for it, are checked where it runs."""
+    whether that machine has the device, and the memory for it, are checked where it runs.
+    A key the checks read that the config lacks (``~privacy.eps``) is a ConfigError naming it."""
+    try:
+        return _check(cfg, output, key, concurrent, remember, here)
+    except OmegaConfBaseException as err:
+        raise ConfigError(_omegaconf_message(err)) from None
+
+
+def _omegaconf_message(err: OmegaConfBaseException) -> str:
+    key = getattr(err, "full_key", None) or getattr(err, "key", None)
+    if isinstance(err, MissingMandatoryValue):
+        return f"{key} must be given (it is ??? in the config): {key}=..."
+    if isinstance(err, (ConfigAttributeError, ConfigKeyError)):
+        return f"{key} is not in the config (was it removed with ~{key}, or is its config group missing?)"
+    return f"{key}: {str(err).splitlines()[0]}"
+
+
+def refusal(err: Exception) -> str:
+    """The ``error:`` line's text for an exception raised while checking a config: a ConfigError's
+    message, or, for any other (a check that failed instead of refusing: a bug to report), its
+    type and message, so that a refusal never becomes a traceback and a run folder."""
+    if isinstance(err, ConfigError):
+        return str(err)
+    return (f"the config could not be checked ({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}); "
+            "nothing was run or created. Please report this with the command line")
+
+
+def _check(cfg: DictConfig, output: str | Path | None, key: str | None, concurrent: int, remember: bool,
+           here: bool) -> Any:
     task = tasks.get(cfg)
     found = task.validate(cfg)
     if "audit" in cfg:  # python -m pipeline.audit (conf/audit.yaml)
@@ -109,6 +138,8 @@ def _unwritable(path: str | Path) -> str | None:
 
 
 def folder(path: str | Path, key: str) -> None:
+    if not str(path).strip():
+        raise ConfigError(f"{key} is empty: it would write into the working directory; give a folder")
     why = _unwritable(path)
     if why:
         raise ConfigError(f"{key} = {str(path)!r} cannot be written: {why}")
@@ -135,9 +166,16 @@ def tracking_uri(cfg: DictConfig) -> tuple[str, str]:
 
 
 def tracking_store(cfg: DictConfig) -> None:
+    timeout = cfg.mlflow.get("connect_timeout")
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout <= 3600:
+        raise ConfigError(f"mlflow.connect_timeout must be a number of seconds in (0, 3600], got {timeout!r}")
     uri, key = tracking_uri(cfg)
     parsed = urlparse(uri)
     scheme = parsed.scheme.lower()
+    if uri.lower() in ("databricks", "databricks-uc"):  # MLflow's names of a Databricks workspace, not folders
+        scheme = uri.lower()
+    if scheme.split("+")[0] in _PORTS and not parsed.hostname:
+        raise ConfigError(f"{key} = {uri!r} names no host (e.g. http://localhost:5000)")
     if scheme == "sqlite":
         _sqlite_store(uri, key, cfg)
     elif scheme in ("", "file") or (len(scheme) == 1 and sys.platform == "win32"):  # a local folder
@@ -147,12 +185,38 @@ def tracking_store(cfg: DictConfig) -> None:
             raise ConfigError(f"{key} = {uri!r}: the MLflow store cannot be written: {why}")
     elif scheme.split("+")[0] in _PORTS and parsed.hostname:
         port = parsed.port or _PORTS[scheme.split("+")[0]]
-        timeout = float(cfg.mlflow.connect_timeout)
         try:
-            socket.create_connection((parsed.hostname, port), timeout=timeout).close()
+            socket.create_connection((parsed.hostname, port), timeout=float(timeout)).close()
         except OSError as err:
             raise ConfigError(f"{key} = {uri!r}: the tracking server {parsed.hostname}:{port} cannot be reached "
                               f"({err.strerror or err or 'timed out'}; waited at most {timeout:g} s)") from None
+    else:
+        _other_store(uri, key, scheme)
+
+
+def _other_store(uri: str, key: str, scheme: str) -> None:
+    """A scheme MLflow must know (``bogus://x`` is refused); Databricks's needs its credentials."""
+    from mlflow.tracking._tracking_service.utils import _tracking_store_registry
+
+    try:
+        _tracking_store_registry.get_store_builder(uri)
+    except Exception:  # noqa: BLE001 -- MLflow's unsupported-URI exception
+        raise ConfigError(f"{key} = {uri!r}: MLflow knows no tracking store of scheme {scheme!r}; give a folder, "
+                          "sqlite:///path.db, http(s)://host:port or a database URL") from None
+    if scheme.startswith("databricks"):
+        from mlflow.utils.databricks_utils import get_databricks_host_creds
+
+        import logging
+
+        quiet = logging.getLogger("mlflow.utils.databricks_utils")
+        level, quiet.level = quiet.level, logging.ERROR  # its warning would print a second line
+        try:
+            get_databricks_host_creds(uri)
+        except Exception as err:  # noqa: BLE001 -- MLflow's message says what is missing
+            raise ConfigError(f"{key} = {uri!r}: the Databricks credentials cannot be read "
+                              f"({str(err).splitlines()[0][:200]})") from None
+        finally:
+            quiet.setLevel(level)
 
 
 def _sqlite_store(uri: str, key: str, cfg: DictConfig) -> None:
@@ -236,13 +300,47 @@ def runs_here(cfg: DictConfig) -> bool:
     return "SlurmLauncher" not in str(launcher.get("_target_", ""))
 
 
+SLURM_TIMEOUT = 30  # seconds sinfo may take to answer before a submitit_slurm sweep is refused
+
+
+def cluster(cfg: DictConfig) -> None:
+    """Under ``hydra/launcher=submitit_slurm``: the cluster answers (``sinfo``, which asks what
+    ``sbatch`` would, without submitting) and has the partition ``hydra.launcher.partition``, if
+    one is given; else a sweep would make its folder and then fail every cell at submission."""
+    if runs_here(cfg):
+        return
+    import shutil
+    import subprocess
+
+    sinfo = shutil.which("sinfo")
+    if sinfo is None:
+        raise ConfigError("hydra/launcher=submitit_slurm: SLURM's commands (sbatch, sinfo) are not on PATH; run the "
+                          "sweep from a machine of the cluster (a login node)")
+    try:
+        proc = subprocess.run([sinfo, "-h", "-o", "%P"], capture_output=True, text=True, timeout=SLURM_TIMEOUT)
+    except subprocess.TimeoutExpired:
+        raise ConfigError(f"hydra/launcher=submitit_slurm: the SLURM cluster did not answer (sinfo) within "
+                          f"{SLURM_TIMEOUT} s") from None
+    if proc.returncode != 0:
+        why = (proc.stderr.strip().splitlines() or ["no message"])[-1]
+        raise ConfigError(f"hydra/launcher=submitit_slurm: the SLURM cluster does not answer (sinfo: {why})")
+    partitions = [p.strip().rstrip("*") for p in proc.stdout.split()]
+    wanted = (cfg.hydra.get("launcher") or {}).get("partition")
+    if wanted and str(wanted) not in partitions:
+        raise ConfigError(f"hydra.launcher.partition = {str(wanted)!r} is not a partition of this cluster; "
+                          f"partitions: {partitions}")
+
+
 def jobs(cfg: DictConfig) -> int:
     """Cells that run at once on this machine: joblib's ``n_jobs`` (-1: every core, -k: all but
     k - 1), else 1 (the basic launcher runs one after another; submitit's jobs run elsewhere)."""
     launcher = (cfg.hydra.get("launcher") or {}) if "hydra" in cfg else {}
     if "joblib" not in str(launcher.get("_target_", "")) or launcher.get("n_jobs") is None:
         return 1
-    n = int(launcher.get("n_jobs"))
+    n = launcher.get("n_jobs")
+    if isinstance(n, bool) or not isinstance(n, int) or n == 0:
+        raise ConfigError(f"hydra.launcher.n_jobs must be a non-zero integer (k: k cells at once; -1: one per core), "
+                          f"got {n!r}")
     return max(1, (os.cpu_count() or 1) + 1 + n) if n < 0 else max(1, n)
 
 
@@ -276,21 +374,23 @@ class PreflightCallback(Callback):
     (the validating sweeper then checks every cell, values and memory, before any job starts)."""
 
     def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
-        _exit_on_error(lambda: check(config, Path(str(config.hydra.run.dir)), "hydra.run.dir", remember=True))
+        _exit_on_error(lambda: check(config, str(config.hydra.run.dir), "hydra.run.dir", remember=True))
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
         def environment() -> None:
             folder(str(config.hydra.sweep.dir), "hydra.sweep.dir")
             report_dir(config)
             tracking_store(config)
+            cluster(config)
 
         _exit_on_error(environment)
 
 
 def _exit_on_error(step) -> None:
-    """Hydra turns a callback's exception into a warning: a refusal exits here, with one line."""
+    """Hydra turns a callback's exception into a warning (and then creates the folder): a refusal,
+    or a check that failed, exits here with one line, before the folder exists."""
     try:
         step()
-    except ConfigError as err:
-        print(f"error: {err}", file=sys.stderr)
+    except Exception as err:  # noqa: BLE001 -- see refusal
+        print(f"error: {refusal(err)}", file=sys.stderr)
         sys.exit(2)

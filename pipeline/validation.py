@@ -23,6 +23,10 @@ class RunFailed(RuntimeError):
 
 
 MAX_INT = 2**53  # counts and sizes must be exact as float64 numbers
+MAX_SEED = 2**63 - 1  # torch's generators take a signed 64-bit seed (2^64 fails when the run seeds them)
+MAX_THREADS = 1024  # compute.threads, seqrec.threads: far above any machine's cores; torch segfaults at 1e8
+MAX_EPS = 100.0  # a finite eps above this promises nothing (a factor e^100) and Opacus's calibration of DP-SGD
+                  # noise may never end above it (seen: the prv accountant at 1,000, rdp at 1e308): use inf, no noise
 
 
 def positive_int(value, key: str) -> int:
@@ -43,3 +47,30 @@ def number(value, key: str) -> float:
     if not math.isfinite(out):
         raise ConfigError(f"{key} must be a finite number, got {value!r}")
     return out
+
+
+def seed(value, key: str = "seed") -> int:
+    """A seed torch, numpy and Python all take: an integer in [0, 2^63 - 1]."""
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_SEED:
+        raise ConfigError(f"{key} must be an integer from 0 to 2^63 - 1, got {value!r}")
+    return value
+
+
+def threads(value, key: str) -> int | None:
+    """A thread count for torch: null (torch's default) or an integer in [1, MAX_THREADS]."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 < value <= MAX_THREADS:
+        raise ConfigError(f"{key} must be null (torch's default) or an integer from 1 to {MAX_THREADS} (torch's "
+                          f"thread pools crash far beyond the machine's cores), got {value!r}")
+    return value
+
+
+def epsilon(value, key: str = "privacy.eps") -> float:
+    """A privacy budget: a number in (0, MAX_EPS], or inf (no noise)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise ConfigError(f"{key} must be a positive number (inf: no noise), got {value!r}")
+    if math.isfinite(value) and value > MAX_EPS:
+        raise ConfigError(f"{key} = {value!r}: a finite eps above {MAX_EPS:g} promises nothing (a factor e^{MAX_EPS:g}) "
+                          "and DP-SGD's noise cannot be calibrated to it; use inf for no noise")
+    return float(value)

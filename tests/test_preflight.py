@@ -105,3 +105,35 @@ def test_a_dpformer_cell_too_large_for_memory_is_one_error_line(run_cli):
     assert proc.returncode == 2 and len(errors) == 1, proc.stderr[-2000:]
     assert errors[0].startswith("error: dataset.L = 100000: the cell's tensors need about") and "M = 100000 items" in errors[0]
     assert not (run_cli.tmp / "run").exists()
+
+
+def _fake_sinfo(folder, script: str) -> str:
+    sinfo = folder / "sinfo"
+    sinfo.write_text("#!/bin/sh\n" + script + "\n")
+    sinfo.chmod(0o755)
+    return f"{folder}{os.pathsep}{os.environ.get('PATH', '')}"
+
+
+def test_a_slurm_sweep_needs_a_cluster_that_answers_and_has_its_partition(cfg_for, monkeypatch, tmp_path):
+    """Under submitit_slurm the preflight asks the cluster (sinfo) before the sweep folder exists:
+    no answer, or a partition it lacks, is refused; a local launcher asks nothing."""
+    slurm = cfg_for("hydra/launcher=submitit_slurm", "hydra.launcher.partition=debug", hydra=True)
+    monkeypatch.setenv("PATH", _fake_sinfo(tmp_path, "echo 'sinfo: fatal: Could not establish a configuration "
+                                                     "source' >&2; exit 1"))
+    with pytest.raises(ConfigError, match="the SLURM cluster does not answer .*Could not establish"):
+        preflight.cluster(slurm)
+    preflight.cluster(cfg_for(hydra=True))  # the basic launcher: sinfo is not asked
+    monkeypatch.setenv("PATH", _fake_sinfo(tmp_path, "printf 'gpu\\nbatch*\\n'"))
+    with pytest.raises(ConfigError, match=r"hydra.launcher.partition = 'debug' is not a partition .*\['gpu', 'batch'\]"):
+        preflight.cluster(slurm)
+    preflight.cluster(cfg_for("hydra/launcher=submitit_slurm", "hydra.launcher.partition=batch", hydra=True))
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))
+    with pytest.raises(ConfigError, match="not on PATH"):
+        preflight.cluster(slurm)
+
+
+def test_joblib_n_jobs_must_be_a_non_zero_integer(cfg_for):
+    """joblib refuses n_jobs = 0 only when a cell is launched, after the sweep folder exists."""
+    cfg = cfg_for("hydra/launcher=joblib", "hydra.launcher.n_jobs=0", hydra=True)
+    with pytest.raises(ConfigError, match="hydra.launcher.n_jobs must be a non-zero integer"):
+        preflight.jobs(cfg)

@@ -112,7 +112,6 @@ class ValidatingSweeper(BasicSweeper):
 
     def validate_batch_is_legal(self, batch: Sequence[Sequence[str]]) -> None:
         from pipeline import preflight
-        from pipeline.validation import ConfigError
 
         loader = self.hydra_context.config_loader
         cells = sum(len(b) for b in self.overrides) if self.overrides else len(batch)
@@ -121,8 +120,8 @@ class ValidatingSweeper(BasicSweeper):
             try:  # the memory of the cells a joblib launcher runs at once; a SLURM cell's device where it runs
                 preflight.check(cfg, str(cfg.hydra.sweep.dir), "hydra.sweep.dir", min(preflight.jobs(cfg), cells),
                                 here=preflight.runs_here(cfg))
-            except ConfigError as err:
-                print(f"error: in the sweep cell {' '.join(overrides)}: {err}", file=sys.stderr)
+            except Exception as err:  # noqa: BLE001 -- a ConfigError, or a check that failed (preflight.refusal)
+                print(f"error: in the sweep cell {' '.join(overrides)}: {preflight.refusal(err)}", file=sys.stderr)
                 sys.exit(2)
 
     def _pin(self, sweep_dir: Path, jobs: Sequence[Sequence[str]]) -> None:
@@ -153,6 +152,10 @@ class ValidatingSweeper(BasicSweeper):
         from pipeline import tracking
 
         assert self.config is not None and self.launcher is not None and self.hydra_context is not None
+        if self.max_batch_size is not None and (isinstance(self.max_batch_size, bool)
+                                                or not isinstance(self.max_batch_size, int) or self.max_batch_size < 1):
+            _error(f"hydra.sweeper.max_batch_size must be null (every cell at once) or a positive integer, "
+                   f"got {self.max_batch_size!r}", 2)
         params_conf = self._parse_config()
         params_conf.extend(arguments)
         parser = OverridesParser.create(config_loader=self.hydra_context.config_loader)
@@ -210,8 +213,15 @@ class ValidatingSweeper(BasicSweeper):
         if failed_runs:
             log.warning("marked %d RUNNING run(s) of this sweep as FAILED (their process died)", failed_runs)
         try:
-            cells = summary.collect(sweep_dir, self.sweep_id, jobs)
-            summary.summarise(self.config, self.sweep_id, sweep_dir, cells)
+            with tracking.sigterm_raises():
+                cells = summary.collect(sweep_dir, self.sweep_id, jobs)
+                summary.summarise(self.config, self.sweep_id, sweep_dir, cells)
+        except KeyboardInterrupt as stop:  # Ctrl-C or SIGTERM while the summary is written: it may be partial
+            terminated = isinstance(stop, tracking.Terminated)
+            _error(f"sweep {sweep_dir} {'terminated' if terminated else 'interrupted'} while its summary was written "
+                   f"(its cells are done); write it again with the same command and "
+                   f"hydra.sweep.dir={_quote(str(sweep_dir))} hydra.sweeper.resume=true",
+                   tracking.TERMINATED if terminated else 130)
         except Exception as err:
             _error(f"the end of sweep {sweep_dir} failed: {type(err).__name__}: {err}", 1)
         if cells.failed:

@@ -11,7 +11,7 @@ import math
 
 from omegaconf import DictConfig, ListConfig
 
-from pipeline import privacy
+from pipeline import privacy, validation
 from pipeline.noisyhead.constants import Constants
 from pipeline.validation import MAX_INT, ConfigError
 from pipeline.validation import number as _number
@@ -120,14 +120,10 @@ def derive(regime: DictConfig) -> Constants:
 def validate(cfg: DictConfig) -> Constants:
     """Check a composed config; return the cell's constants or raise ConfigError."""
     _positive_int(cfg.trials, "trials")
-    if isinstance(cfg.seed, bool) or not isinstance(cfg.seed, int) or cfg.seed < 0:
-        raise ConfigError(f"seed must be a non-negative integer, got {cfg.seed!r}")
+    validation.seed(cfg.seed)
     _positive_int(cfg.dataset.n_test, "dataset.n_test")
     _positive_int(cfg.compute.chunk_trials, "compute.chunk_trials")
-    threads = cfg.compute.threads
-    if threads is not None and _positive_int(threads, "compute.threads") > MAX_THREADS:
-        raise ConfigError(f"compute.threads must be at most {MAX_THREADS} (torch's thread pools crash far beyond "
-                          f"the machine's cores), got {threads!r}")
+    validation.threads(cfg.compute.threads, "compute.threads")
     if cfg.compute.dtype not in ("float32", "float64"):
         raise ConfigError(f"compute.dtype must be float32 or float64, got {cfg.compute.dtype!r}")
     if cfg.oracle not in ("update", "printed"):
@@ -193,7 +189,6 @@ def _check_dataset(cfg: DictConfig) -> None:
 
 
 FLOAT_MAX = {"float64": 1.7976931348623157e308, "float32": 3.4028234663852886e38}  # by compute.dtype
-MAX_THREADS = 1024  # compute.threads: far above any machine's cores; torch segfaults at 1e8
 
 
 def _check_sizes(regime: DictConfig, const: Constants, dtype: str) -> None:
@@ -254,6 +249,7 @@ def _check_privacy(cfg: DictConfig) -> None:
     eps, delta = cfg.eps, cfg.delta
     if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not 0 < eps < math.inf:
         raise ConfigError(f"privacy.eps must be a positive finite number (eps = inf is no privacy), got {eps!r}")
+    validation.epsilon(eps)  # at most MAX_EPS: DP-SGD's calibration never ends near 1e308
     if isinstance(delta, bool) or not isinstance(delta, (int, float)) or not 0 < delta < 1:
         raise ConfigError(f"privacy.delta must lie in (0, 1), got {delta!r}")
     if cfg.accountant not in privacy.ACCOUNTANTS:

@@ -50,7 +50,7 @@ import pandas as pd
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from pipeline import auditing, plot, privacy, rng, tracking
+from pipeline import auditing, plot, privacy, rng, tracking, validation
 from pipeline.validation import ConfigError
 from pipeline.seqrec import clipping, config, data, train
 from pipeline.seqrec.clipping.norms import NORMS
@@ -98,6 +98,7 @@ def validate(cfg: DictConfig) -> list[str]:
     """Check the config (the task's own checks, the audit's keys, the seqrec audit's); return the
     variants to audit."""
     config.validate(cfg)
+    validation.threads(cfg.compute.threads, "compute.threads")
     auditing.check_keys(cfg.audit)
     s = cfg.audit.seqrec
     if s.users is not None:

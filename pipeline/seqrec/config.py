@@ -12,9 +12,11 @@ from functools import lru_cache
 
 from omegaconf import DictConfig, ListConfig
 
+from pipeline import validation
 from pipeline.validation import ConfigError
-from pipeline.seqrec import clipping, data, distraction, memory, models, reattention, train
+from pipeline.seqrec import clipping, data, distraction, memory, models, reattention, synthetic, train
 from pipeline.seqrec.clipping.norms import MODES
+from pipeline.seqrec.clipping.phantom import SUM_BY
 
 ACCOUNTANTS = ("rdp", "prv")  # Opacus accountants that calibrate DP-SGD's noise
 
@@ -42,13 +44,17 @@ def _choice(value, key: str, known) -> str:
     return value
 
 
-def validate(cfg: DictConfig) -> None:
-    """Check a composed seqrec config; raise ConfigError on the first bad value."""
+def groups(cfg: DictConfig) -> None:
+    """The config groups every seqrec check reads (``task=seqrec`` alone has none of them)."""
     for group in ("model", "clipping", "seqrec", "dataset"):
         if cfg.get(group) is None:
             raise ConfigError(f"{group}: task=seqrec needs a {group} config (use an experiment=dpformer_* preset)")
-    if isinstance(cfg.seed, bool) or not isinstance(cfg.seed, int) or cfg.seed < 0:
-        raise ConfigError(f"seed must be a non-negative integer, got {cfg.seed!r}")
+
+
+def validate(cfg: DictConfig) -> None:
+    """Check a composed seqrec config; raise ConfigError on the first bad value."""
+    groups(cfg)
+    validation.seed(cfg.seed)
     m = cfg.model
     _choice(m.arch, "model.arch", models.ARCHS)
     d = _int(m.d, "model.d", 1)
@@ -58,6 +64,9 @@ def validate(cfg: DictConfig) -> None:
             raise ConfigError(f"model.heads = {heads} must divide model.d = {d}")
         _int(m.blocks, "model.blocks", 1)
         _int(m.d_ff, "model.d_ff", 1)
+        if not isinstance(m.get("tied"), bool):
+            raise ConfigError(f"model.tied must be true (one item table for input and output) or false, got "
+                              f"{m.get('tied')!r}")
     else:
         _int(m.layers, "model.layers", 1)
     if m.get("reattention") is not None:
@@ -85,13 +94,12 @@ def validate(cfg: DictConfig) -> None:
     _num(c.C, "clipping.C", 0.0)
     _num(c.gamma, "clipping.gamma", 0.0, low_open=c.rule == "automatic")  # automatic divides by norm + gamma
     _choice(c.get("norm_form", "auto"), "clipping.norm_form", MODES)
+    _choice(c.get("sum_by", "bookkeeping"), "clipping.sum_by", SUM_BY)
     if c.name == "ghost" and m.tied:
         raise ConfigError(f"clipping=ghost with model={m.name}: Ghost Clipping (Opacus) refuses the tied item "
                           "embedding; use model=transformer_untied or transformer_untied_half, or clipping=phantom")
     p = cfg.privacy
-    eps = p.eps
-    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps > 0:
-        raise ConfigError(f"privacy.eps must be a positive number (inf: no noise), got {eps!r}")
+    validation.epsilon(p.eps)
     _num(p.delta, "privacy.delta", 0.0, 1.0)
     if p.delta >= 1:
         raise ConfigError(f"privacy.delta must lie in (0, 1), got {p.delta!r}")
@@ -110,8 +118,10 @@ def validate(cfg: DictConfig) -> None:
     if not isinstance(over, str) or not re.fullmatch(r"[a-z_]+(:[a-z0-9_-]+)*", over):
         raise ConfigError(f"seqrec.gain_over must be a model's name in tables (transformer, dpformer:presence-public:"
                           f"form-off, ...), got {over!r}")
-    if t.get("threads") is not None:
-        _int(t.threads, "seqrec.threads", 1)
+    validation.threads(t.get("threads"), "seqrec.threads")
+    if cfg.get("compute", {}).get("threads") is not None and "audit" not in cfg:  # the seqrec audit reads it
+        raise ConfigError(f"compute.threads = {cfg.compute.threads!r} is NoisyHead's setting and a DPFormer run would "
+                          "ignore it; DPFormer's is seqrec.threads")
     if not isinstance(t.get("checkpoint", True), bool):
         raise ConfigError(f"seqrec.checkpoint must be true or false, got {t.get('checkpoint')!r}")
     if cfg.get("distraction") is not None:
@@ -125,6 +135,11 @@ def validate(cfg: DictConfig) -> None:
     if ds.name in ("amazon_games", "movielens"):
         data.filters(ds)
         data.interactions(ds)  # a missing, malformed or (after the filters) empty file is refused here, before any run
+    else:
+        synthetic.parameters(ds)  # the generator's constants (n_users, zipf, ...), before any folder or run
+    _, items = memory.sizes(ds)
+    if t.k > items:
+        raise ConfigError(f"seqrec.k = {t.k} exceeds the data set's {items} items (HR@k and NDCG@k rank k of them)")
     _calibrates(cfg)
 
 
@@ -179,5 +194,5 @@ def _calibrates(cfg: DictConfig) -> None:
     why = _calibration(float(cfg.privacy.eps), float(cfg.privacy.delta), int(cfg.seqrec.batch_size), users,
                        int(cfg.seqrec.epochs), str(cfg.seqrec.accountant), share)
     if why is not None:
-        raise ConfigError(f"privacy.eps = {cfg.privacy.eps!r} cannot be reached by DP-SGD with these settings "
-                          f"({why}); raise privacy.eps or privacy.delta")
+        raise ConfigError(f"privacy.eps = {cfg.privacy.eps!r} with privacy.delta = {cfg.privacy.delta!r} cannot be "
+                          f"reached by DP-SGD with these settings ({why}); raise privacy.eps or privacy.delta")

@@ -127,9 +127,11 @@ def _raise_first_bad_line(text: str, fmt: str, ncols: int, path, key: str):
             values = [float(f) if c == 2 else int(f) for c, f in enumerate(fields)]
         except ValueError:
             values = None
-        if values is None or len(values) != ncols or values[0] <= 0 or values[1] <= 0:
+        ids = [v for c, v in enumerate(values or []) if c != 2]  # ids and the timestamp (a rating may be fractional)
+        if values is None or len(values) != ncols or values[0] <= 0 or values[1] <= 0 or \
+                any(abs(v) >= 2**53 for v in ids):
             raise ConfigError(
-                f"{key} = {str(path)!r}, line {number}: expected '{expected}' with positive integer ids "
+                f"{key} = {str(path)!r}, line {number}: expected '{expected}' with positive integer ids below 2^53 "
                 f"(format {fmt}), got {line.strip()[:80]!r}"
             )
     raise ConfigError(f"{key} = {str(path)!r}: cannot parse it as format {fmt}")  # pragma: no cover

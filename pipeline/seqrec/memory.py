@@ -61,7 +61,14 @@ def estimate(cfg: DictConfig, device: str) -> Memory:
         parts["attention"] = ATTENTION_COPIES * FLOAT * rows * int(cfg.model.heads) * L * L * int(cfg.model.blocks)
     if cfg.clipping.name == "per_sample":
         parts["per-user gradients"] = FLOAT * batch * n
-    if parts.get("attention", 0) > max(parts["batch scores"], parts["evaluation scores"]):
+    largest = max(parts, key=parts.get)
+    if largest == "parameters and Adam":
+        key, value = ("model.d", cfg.model.d)
+        advice = f"lower model.d{', model.d_ff or model.blocks' if cfg.model.arch == 'transformer' else ''} ({n:,} parameters)"
+    elif largest == "per-user gradients":
+        key, value, advice = "clipping.name", cfg.clipping.name, ("use clipping=phantom (no per-user gradients) or "
+                                                                  "lower seqrec.batch_size")
+    elif parts.get("attention", 0) > max(parts["batch scores"], parts["evaluation scores"]):
         key, value, advice = "dataset.L", L, "lower dataset.L (attention grows with its square)"
     elif parts["evaluation scores"] > parts["batch scores"]:
         key, value, advice = "seqrec.eval_batch", cfg.seqrec.eval_batch, "lower seqrec.eval_batch"

@@ -17,6 +17,7 @@ class SeqRec:
     def validate(self, cfg: DictConfig) -> None:
         from pipeline.seqrec import config, tuning
 
+        config.groups(cfg)
         tuning.apply(cfg)  # seqrec.tuned: this model's setting selected on validation, before anything reads it
         config.validate(cfg)
 
