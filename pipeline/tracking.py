@@ -35,7 +35,7 @@ import mlflow
 from mlflow.entities import Metric, RunStatus
 from omegaconf import DictConfig, OmegaConf
 
-from pipeline.validation import RunFailed
+from pipeline.validation import ConfigError, RunFailed
 
 log = logging.getLogger(__name__)
 
@@ -409,10 +409,40 @@ def begin_cell(cfg: DictConfig, out: Path) -> Cell | None:
     with any stale record of the folder forgotten."""
     die_with_parent()  # a joblib worker ends with its sweep, even one killed with SIGKILL
     cell = Cell(Path(out), config_hash(cfg), current_sweep())
+    if cell.sweep is None:  # a sweep's cells are the sweep's, whose folder lock (.sweep.lock) keeps a second out
+        _hold_run_folder(cell.out)
     if cell.sweep is not None and cell.sweep.resume and _claim(cell):
         return None
     forget_record(cell.out)  # whatever this folder held no longer describes it
     return cell
+
+
+_HELD: dict[Path, object] = {}  # a single run's folder -> its lock, held until the process ends
+
+
+def _hold_run_folder(out: Path) -> None:
+    """An exclusive lock on a single run's folder (``.run.lock``, with the holder's pid): a second
+    copy of the same command launched into it while the first runs is refused (ConfigError: one
+    ``error:`` line, exit 2) instead of marking the first one's run FAILED and sharing its
+    checkpoint. The kernel drops the lock when the process ends, even by SIGKILL."""
+    import fcntl
+
+    if Path(out).resolve() in _HELD:  # this process runs in it again (an in-process caller)
+        return
+    handle = open(Path(out) / ".run.lock", "a+")
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        handle.seek(0)
+        holder = handle.read().strip() or "?"
+        handle.close()
+        raise ConfigError(f"hydra.run.dir = {str(out)!r} is in use by another run (pid {holder}); wait for it to "
+                          "end, or give another hydra.run.dir") from None
+    handle.seek(0)
+    handle.truncate()
+    handle.write(str(os.getpid()))
+    handle.flush()
+    _HELD[Path(out).resolve()] = handle
 
 
 def _sha256(path: Path) -> str | None:

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import io
 import signal
 import subprocess
 import sys
@@ -20,6 +22,10 @@ ROOT = Path(__file__).resolve().parents[1]
 
 class Stop(Exception):
     pass
+
+
+def _saved(path) -> dict:
+    return torch.load(io.BytesIO(checkpoint.read(path)), weights_only=False)
 
 
 def _train(cfg, seqs, **kw):
@@ -41,7 +47,7 @@ def test_a_stopped_run_resumes_to_the_uninterrupted_numbers(cfg_for, tmp_path, m
     path = tmp_path / "stopped.pt"
     with pytest.raises(Stop):
         _train(cfg, seqs, on_epoch=stop_after_two, checkpoint=path, digest="d")
-    assert torch.load(path, weights_only=False)["epoch"] == 2
+    assert _saved(path)["epoch"] == 2
     logged = []
     resumed, again = _train(cfg, seqs, checkpoint=path, resume=True, digest="d",
                             on_epoch=lambda epoch, m: logged.append((epoch, m)))
@@ -63,6 +69,32 @@ def test_a_checkpoint_of_another_config_is_not_resumed(cfg_for, tmp_path):
     assert checkpoint.load(path, "two") is None  # a damaged file is not resumed from either
 
 
+def test_a_checkpoint_of_other_data_or_with_a_changed_byte_is_not_resumed(cfg_for, tmp_path, caplog):
+    """The data set is part of the key (a data file changed between a kill and the re-launch starts
+    over), and the digest heading the file catches a byte changed anywhere in it."""
+    cfg = cfg_for("experiment=dpformer_ci", "seqrec.epochs=2")
+    seqs = data.load(cfg.dataset, int(cfg.dataset.L), 0)
+    path = tmp_path / checkpoint.NAME
+    train.run(seqs, cfg, train.plan(cfg, seqs.n_users), checkpoint=path, digest="d")
+    key = checkpoint.key("d", torch.device("cpu"), seqs)
+    assert checkpoint.load(path, key) is not None
+    other = dataclasses.replace(seqs, train=seqs.train.clone())
+    other.train[0, -1] = 1 + other.train[0, -1] % seqs.n_items  # one interaction of one user differs
+    assert checkpoint.key("d", torch.device("cpu"), other) != key
+    assert checkpoint.load(path, checkpoint.key("d", torch.device("cpu"), other)) is None
+    assert "another data_hash" in caplog.text
+    raw = bytearray(path.read_bytes())
+    for at in (len(raw) // 2, len(raw) - 1):  # inside a tensor's bytes, the last byte
+        flipped = raw.copy()
+        flipped[at] ^= 0x01
+        path.write_bytes(bytes(flipped))
+        with pytest.raises(ValueError, match="do not match the digest"):
+            checkpoint.read(path)
+        assert checkpoint.load(path, key) is None
+    path.write_bytes(bytes(raw))
+    assert checkpoint.load(path, key) is not None
+
+
 def test_a_killed_cell_relaunched_into_its_folder_continues(tmp_path):
     """Through the CLI: SIGKILL after the first epoch's checkpoint, the same command again, and the
     results of an uninterrupted run; the checkpoint is gone once the run FINISHED."""
@@ -77,7 +109,7 @@ def test_a_killed_cell_relaunched_into_its_folder_continues(tmp_path):
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     assert not (folder / "results.csv").exists(), "the run finished before it could be killed"
-    stopped_at = torch.load(folder / checkpoint.NAME, weights_only=False)["epoch"]
+    stopped_at = _saved(folder / checkpoint.NAME)["epoch"]
     assert 1 <= stopped_at < 12
     again = subprocess.run([*common, f"hydra.run.dir={folder}"], cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert again.returncode == 0, again.stderr[-2000:]

@@ -117,3 +117,28 @@ def test_a_step_called_outside_a_run_logs_nothing_and_starts_no_run(tmp_path, mo
     tracking.set_tag("verdict", "pass")
     assert mlflow.active_run() is None
     assert not (tmp_path / "mlflow.db").exists() and not (tmp_path / "mlruns").exists()
+
+
+def test_a_single_run_folder_in_use_by_another_process_is_refused(tmp_path):
+    """Two copies of one single-run command in one folder: the second is refused (ConfigError naming
+    the folder and the holder's pid) instead of marking the first's run FAILED; the lock goes with
+    the holder, even when it is killed."""
+    import subprocess
+    import sys
+
+    from pipeline.validation import ConfigError
+
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from pathlib import Path; "
+                               "from pipeline import tracking; tracking._hold_run_folder(Path(sys.argv[1])); "
+                               "print('held', flush=True); time.sleep(60)", str(tmp_path)],
+                              cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        with pytest.raises(ConfigError, match=rf"hydra.run.dir = '{tmp_path}' is in use by another run \(pid {holder.pid}\)"):
+            tracking._hold_run_folder(tmp_path)
+    finally:
+        holder.kill()
+        holder.wait()
+    tracking._hold_run_folder(tmp_path)  # SIGKILL released it
+    tracking._hold_run_folder(tmp_path)  # this process again: no conflict with itself
+    tracking._HELD.pop(tmp_path.resolve()).close()

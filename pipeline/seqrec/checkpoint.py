@@ -7,8 +7,10 @@ generator (Poisson sampling and DP-SGD's noise) and torch's global generators (d
 and the run's CUDA device's), the last finished epoch and the history so far, and the accountant's
 state (its history of (noise multiplier, sampling rate, steps), all it needs to say what the steps
 so far spent). A checkpoint is resumed from only by a run of the same config
-(``tracking.config_hash``), the same code (``code_hash``: every source file of ``pipeline/``) and
-the same device kind: a single run re-launched into its folder (``hydra.run.dir=<the folder>``), or
+(``tracking.config_hash``), the same code (``code_hash``: every source file of ``pipeline/``), the
+same data (``data_hash``: the built data set's every tensor, so a data file changed between the
+kill and the re-launch starts over) and the same device kind, and only if its bytes are those
+written (a SHA-256 digest heads the file: a damaged checkpoint starts over): a single run re-launched into its folder (``hydra.run.dir=<the folder>``), or
 a cell of a sweep resumed with ``hydra.sweeper.resume=true``. Anything else starts over, with a
 log line saying why; a sweep launched without resume (every DVC stage) starts each cell over. The
 file is removed once the run has FINISHED.
@@ -17,6 +19,7 @@ file is removed once the run has FINISHED.
 from __future__ import annotations
 
 import hashlib
+import io
 import logging
 import os
 from dataclasses import asdict
@@ -39,9 +42,25 @@ def code_hash() -> str:
     return digest.hexdigest()[:16]
 
 
-def key(config_digest: str, device: torch.device) -> dict:
-    """What a checkpoint must match to be resumed from."""
-    return {"config_hash": config_digest, "code_hash": code_hash(), "device": torch.device(device).type}
+def data_hash(seqs) -> str:
+    """A digest of the data set a run trains and evaluates on (every tensor of ``Sequences``)."""
+    digest = hashlib.sha256(str(seqs.n_items).encode())
+    for name, value in sorted(vars(seqs).items()):
+        if isinstance(value, torch.Tensor):
+            digest.update(name.encode() + b"\0" + str(tuple(value.shape)).encode())
+            digest.update(value.detach().cpu().contiguous().numpy().tobytes())
+    return digest.hexdigest()[:16]
+
+
+def key(config_digest: str, device: torch.device, seqs=None) -> dict:
+    """What a checkpoint must match to be resumed from (``seqs``: the data set, when known)."""
+    found = {"config_hash": config_digest, "code_hash": code_hash(), "device": torch.device(device).type}
+    if seqs is not None:
+        found["data_hash"] = data_hash(seqs)
+    return found
+
+
+MAGIC = b"pipeline-checkpoint sha256 "  # then 64 hex digits and a newline, then torch.save's bytes
 
 
 def save(path: Path, *, key: dict, epoch: int, model, opt, sched, gen: torch.Generator, history,
@@ -54,8 +73,12 @@ def save(path: Path, *, key: dict, epoch: int, model, opt, sched, gen: torch.Gen
         "cuda_rng": torch.cuda.get_rng_state(device) if device.type == "cuda" else None,
         "history": asdict(history), "accountant": accountant,
     }
-    tmp = Path(path).with_suffix(".tmp")
-    torch.save(state, tmp)
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    payload = buffer.getvalue()
+    tmp = Path(path).with_suffix(f".{os.getpid()}.tmp")  # one per process: two writers never share it
+    with open(tmp, "wb") as handle:
+        handle.write(MAGIC + hashlib.sha256(payload).hexdigest().encode() + b"\n" + payload)
     os.replace(tmp, path)
 
 
@@ -64,7 +87,7 @@ def load(path: Path | None, key: dict) -> dict | None:
     if path is None or not Path(path).is_file():
         return None
     try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
+        state = torch.load(io.BytesIO(read(path)), map_location="cpu", weights_only=True)
     except Exception as err:  # noqa: BLE001 - a damaged checkpoint is not resumed from
         log.warning("resume: %s cannot be read (%s); starting over", path, err)
         return None
@@ -74,6 +97,16 @@ def load(path: Path | None, key: dict) -> dict | None:
         log.warning("resume: %s is of another %s; starting over", path, " and ".join(differs) or "kind")
         return None
     return state
+
+
+def read(path: Path) -> bytes:
+    """The torch.save bytes of the checkpoint at ``path``, checked against the digest that heads
+    them (ValueError if they differ: a damaged, truncated or foreign file)."""
+    raw = Path(path).read_bytes()
+    head, payload = raw[:len(MAGIC) + 65], raw[len(MAGIC) + 65:]
+    if not head.startswith(MAGIC) or head[len(MAGIC):-1] != hashlib.sha256(payload).hexdigest().encode():
+        raise ValueError("its bytes do not match the digest written with them (damaged, truncated or not a checkpoint)")
+    return payload
 
 
 def restore(state: dict, *, model, opt, sched, gen: torch.Generator) -> None:

@@ -235,7 +235,7 @@ def run(seqs, cfg, run_plan: Plan, on_epoch: Callable[[int, dict], None] | None 
     history = History()
     rows = seqs.train.to(device)
     first = 1
-    key = checkpoints.key(digest, device)
+    key = checkpoints.key(digest, device, seqs)
     state = checkpoints.load(checkpoint, key) if resume else None
     if state is not None:
         checkpoints.restore(state, model=model, opt=opt, sched=sched, gen=gen)
