@@ -30,7 +30,11 @@ def main(cfg: DictConfig) -> None:
             raise  # Hydra records the cell FAILED and the sweep goes on (SystemExit would stop the sweep)
         print(f"error: {err}", file=sys.stderr)
         sys.exit(1)
-    except KeyboardInterrupt:  # Ctrl-C: the run ended KILLED (pipeline.tracking.run); no traceback
+    except KeyboardInterrupt as stop:  # Ctrl-C: the run ended KILLED (pipeline.tracking.run); no traceback
+        from pipeline import tracking
+
+        if isinstance(stop, tracking.Terminated):  # SIGTERM in a sweep's cell before its run began: as within one
+            sys.exit(tracking.TERMINATED)
         print("error: interrupted (Ctrl-C); the run ended KILLED", file=sys.stderr)
         sys.exit(130)
 
