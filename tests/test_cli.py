@@ -78,9 +78,11 @@ def test_unknown_option_is_one_error_line(run_cli, choice):
 def test_overrides_check_leaves_valid_and_non_group_values_alone():
     from pipeline.overrides import unknown_choice
 
-    assert unknown_choice(["model=gru,lstm", "method=[ridge,noisyhead]", "regime.N=5", "seed=3", "attack=null",
+    assert unknown_choice(["model=gru,lstm", "method=[ridge,noisyhead]", "regime.N=5", "seed=3", "~attack",
                            "method=[]", "hydra/launcher=joblib", "experiment=dpformer_ci"]) is None
     assert "clipping='ghosts'" in unknown_choice(["clipping=ghosts"])
+    # Hydra refuses every group=null ("Config group override must be a string or a list", a traceback)
+    assert unknown_choice(["attack=null"]).startswith("attack=null: a config group takes one of its options")
 
 
 def test_sweep_groups_its_cells_and_draws_the_figure(run_cli):
