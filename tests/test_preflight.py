@@ -75,9 +75,11 @@ def test_the_refusal_names_the_key_the_task_says(monkeypatch):
                               "b 0.5 kB) and 1 kB are available; lower compute.chunk_trials")
 
 
-def test_dpformer_memory_estimate_bounds_a_measured_step(cfg_for):
+@pytest.mark.parametrize("B,L,M,dominant", [(64, 20, 20_000, "batch scores"), (256, 50, 200, "activations")])
+def test_dpformer_memory_estimate_bounds_a_measured_step(cfg_for, B, L, M, dominant):
     """The estimate (pipeline/seqrec/memory.py) against the peak memory of one Phantom step measured
-    by the step benchmark in a fresh process (fixed B, L = 20, M = 20,000): above it, within 2x."""
+    by the step benchmark in a fresh process: above it, within 2x, where the scores dominate (a
+    large M) and where the activations do (a small M: the scores alone were 4x short there)."""
     import json
     import subprocess
     import sys
@@ -85,7 +87,6 @@ def test_dpformer_memory_estimate_bounds_a_measured_step(cfg_for):
 
     from pipeline.seqrec import memory as seqrec_memory
 
-    B, L, M = 64, 20, 20_000
     proc = subprocess.run([sys.executable, "-m", "benchmarks.seqrec_step", "--worker", "phantom", "transformer", str(B),
                            str(L), str(M), "--repeats", "1", "--threads", "1", "--device", "cpu"],
                           cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True, timeout=600)
@@ -94,7 +95,7 @@ def test_dpformer_memory_estimate_bounds_a_measured_step(cfg_for):
     cfg = cfg_for("experiment=dpformer_ci", f"seqrec.batch_size={B}", f"dataset.L={L}", "model.d=64", "model.d_ff=256",
                   "dataset.n_users=100000", f"dataset.n_items={M}", "seqrec.eval_batch=1")
     need = seqrec_memory.estimate(cfg, "cpu")
-    assert need.parts["batch scores"] > 0.8 * need.total  # the scores dominate at this size
+    assert need.parts[dominant] > 0.6 * need.total  # what dominates at this size
     assert measured <= need.total <= 2 * measured, (measured / 2**30, need.parts)
 
 

@@ -3,13 +3,15 @@ size, checked against the memory of the cell's device before anything is compute
 (``pipeline.preflight.memory``: the GPU's free memory on CUDA, MemAvailable on the CPU, times the
 cells a joblib sweep runs at once).
 
-The full-softmax scores dominate: a step holds B' x L x M float32 scores about 3.5 times (the
-logits, their softmax, its gradient, and temporaries: the CPU step benchmark measured 3.3 to 3.9
-copies at M = 23,715, ``tests/test_preflight.py`` checks the bound against a measured step), B' the
-expected batch B plus four of its standard deviations (Poisson sampling); evaluation holds ``seqrec.eval_batch`` x M twice; a Transformer's attention, per block, the
-users x heads x L x L logits and weights with their gradients (four copies; what matters at a long
-L); the parameters four times
-(values, gradients, Adam's two moments), and Opacus's per-sample engine one gradient per user.
+The full-softmax scores dominate at a large M: a step holds B' x L x M float32 scores about 3.5
+times (the logits, their softmax, its gradient, and temporaries: the CPU step benchmark measured
+3.3 to 3.9 copies at M = 23,715; ``tests/test_preflight.py`` checks the bound against measured
+steps), B' the expected batch B plus four of its standard deviations (Poisson sampling);
+evaluation holds ``seqrec.eval_batch`` x M twice; a Transformer's attention, per block, the users x
+heads x L x L logits and weights with their gradients (four copies; what matters at a long L); the
+activations autograd keeps for the backward pass, per token of the batch (``ACTIVATIONS``,
+measured: what dominates at a small M); the parameters four times (values, gradients, Adam's two
+moments), and Opacus's per-sample engine one gradient per user.
 The sizes are read before the data are built: the synthetic generator's ``n_users``/``n_items``
 (upper bounds), or a file's users and items after its filters."""
 
@@ -25,6 +27,13 @@ from pipeline.task import Memory
 FLOAT = 4  # bytes: every training tensor is float32
 SCORE_COPIES = 3.5  # B' x L x M float32 tensors a step holds at its peak
 ATTENTION_COPIES = 4  # per block: the logits, the weights, their gradients (and the causal mask, a quarter as large)
+# The float32 values a training step keeps per token of its batch (besides the scores): a bound fitted to
+# peak memory measured by one Phantom step on the CPU (ru_maxrss, B = 512, L = 50, M = 100, 1 thread,
+# 2026-11-24), which it exceeds by 1.0x-1.3x: per token 6,111 floats (d = 64, d_ff = 256, 2 blocks),
+# 10,693 (4 blocks), 11,552 (d_ff = 1,024), 8,279 (d = 128); a GRU 2,740 (d = 64, 1 layer), 3,808 (2 layers),
+# 3,845 (d = 128); an LSTM 2,280. The transformer's counts include its L x L attention, counted again below.
+ACTIVATIONS = {"transformer": lambda m: int(m.blocks) * (24 * int(m.d) + 4 * int(m.d_ff)) + 12 * int(m.d),
+               "rnn": lambda m: int(m.layers) * 18 * int(m.d) + 20 * int(m.d)}
 
 
 def sizes(ds: DictConfig) -> tuple[int, int]:
@@ -51,12 +60,14 @@ def estimate(cfg: DictConfig, device: str) -> Memory:
     B = min(int(cfg.seqrec.batch_size), users)
     batch = min(users, B + math.ceil(4 * math.sqrt(B)))
     n = parameters(cfg.model, M, L)
+    transformer = cfg.model.arch == "transformer"
     parts = {
         "batch scores": int(SCORE_COPIES * FLOAT * batch * L * (M + 1)),
         "evaluation scores": 2 * FLOAT * min(int(cfg.seqrec.eval_batch), users) * (M + 1),
         "parameters and Adam": 4 * FLOAT * n,
+        "activations": FLOAT * batch * L * ACTIVATIONS["transformer" if transformer else "rnn"](cfg.model),
     }
-    if cfg.model.arch == "transformer":  # per block, the (users x heads x L x L) logits and weights a step keeps
+    if transformer:  # per block, the (users x heads x L x L) logits and weights a step keeps
         rows = max(batch, min(int(cfg.seqrec.eval_batch), users))
         parts["attention"] = ATTENTION_COPIES * FLOAT * rows * int(cfg.model.heads) * L * L * int(cfg.model.blocks)
     if cfg.clipping.name == "per_sample":
@@ -64,7 +75,10 @@ def estimate(cfg: DictConfig, device: str) -> Memory:
     largest = max(parts, key=parts.get)
     if largest == "parameters and Adam":
         key, value = ("model.d", cfg.model.d)
-        advice = f"lower model.d{', model.d_ff or model.blocks' if cfg.model.arch == 'transformer' else ''} ({n:,} parameters)"
+        advice = f"lower model.d{', model.d_ff or model.blocks' if transformer else ''} ({n:,} parameters)"
+    elif largest == "activations":
+        key, value = "seqrec.batch_size", cfg.seqrec.batch_size
+        advice = f"lower seqrec.batch_size, dataset.L (= {L}) or the model (model.d, model.d_ff, model.blocks)"
     elif largest == "per-user gradients":
         key, value, advice = "clipping.name", cfg.clipping.name, ("use clipping=phantom (no per-user gradients) or "
                                                                   "lower seqrec.batch_size")
