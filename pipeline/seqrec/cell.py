@@ -104,10 +104,10 @@ def run(cfg: DictConfig) -> Path:
         seconds = time.perf_counter() - t0
         ran = len(history.epoch) - history.resumed_from  # this launch's epochs (a resumed run: those after its checkpoint)
         tracking.log_metrics("train", {"seconds": seconds, "seconds_per_epoch": seconds / max(ran, 1)})
-        peak = device.peak_memory_gb(dev)
+        rows = evaluate.run(model, seqs, cfg)
+        peak = device.peak_memory_gb(dev)  # training's and the final evaluation's (its B x M scores)
         if peak is not None:
             tracking.log_metrics("compute", {"peak_memory_gb": peak})
-        rows = evaluate.run(model, seqs, cfg)
         results = pd.DataFrame([{
             "task": "seqrec", "dataset": cfg.dataset.name, "model": train.model_name(cfg.model), "clipping": cfg.clipping.name,
             "rule": cfg.clipping.rule, "eps": float(cfg.privacy.eps), "eps_spent": run_plan.eps_spent,

@@ -153,10 +153,11 @@ def noisy_gradient(engine, model, ids, targets, *, sigma: float, C: float, expec
     return losses, norms
 
 
-def finite_gradients(model) -> bool:
-    """Whether every gradient DP-SGD left in ``p.grad`` is finite (one reduction, one device sync)."""
-    grads = [p.grad for p in model.parameters() if p.grad is not None]
-    return not grads or bool(torch.stack([torch.isfinite(g).all() for g in grads]).all())
+def finite_step(loss: torch.Tensor, model) -> bool:
+    """Whether the step's loss and every gradient DP-SGD left in ``p.grad`` are finite: one
+    reduction, the step's one device sync besides Poisson sampling's (its batch size)."""
+    checks = [torch.isfinite(loss)] + [torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None]
+    return bool(torch.stack(checks).all())
 
 
 def schedule(steps: int, warmup: float) -> Callable[[int], float]:
@@ -250,7 +251,9 @@ def run(seqs, cfg, run_plan: Plan, on_epoch: Callable[[int, dict], None] | None 
                leave=False, disable=None)  # quiet off a terminal
     for epoch in range(first, int(train.epochs) + 1):
         model.train()
-        loss_sum, users, norm_sum = 0.0, 0, 0.0
+        # the epoch's sums stay on the device (float64, as Python's floats were: the same numbers, no sync per step)
+        loss_sum, norm_sum = (torch.zeros((), dtype=torch.float64, device=device) for _ in range(2))
+        users = 0
         bar.set_postfix_str(f"epoch {epoch}/{train.epochs}", refresh=False)
         for i in range(run_plan.steps_per_epoch):
             bar.update()
@@ -261,25 +264,25 @@ def run(seqs, cfg, run_plan: Plan, on_epoch: Callable[[int, dict], None] | None 
             batch = rows[pick]
             losses, norms = noisy_gradient(engine, model, batch[:, :-1], batch[:, 1:], sigma=run_plan.sigma, C=C,
                                            expected_batch=run_plan.batch_size, generator=gen)
-            step_loss = float(losses.sum())
-            if not math.isfinite(step_loss) or not finite_gradients(model):
-                what = "loss" if not math.isfinite(step_loss) else "gradient"
+            step_loss = losses.sum()
+            if not finite_step(step_loss, model):
+                what = "loss" if not math.isfinite(float(step_loss)) else "gradient"
                 raise Diverged(f"training diverged at step {done + 1} of {run_plan.steps} (epoch {epoch}): the {what} "
                                f"is not finite (seqrec.lr = {train.lr}, clipping.C = {cfg.clipping.C}); the run ends FAILED")
             opt.step()
             sched.step()
-            loss_sum += step_loss
+            loss_sum += step_loss.double()
             users += len(losses)
             if norms is not None:
-                norm_sum += float(norms.sum())
+                norm_sum += norms.sum().double()
         if adam_errs is not None:  # validation and, after the last epoch, evaluation: e_t after this epoch
             model.set_uniform_errors(adam_errs[epoch * run_plan.steps_per_epoch - 1])
         if not all(bool(torch.isfinite(p).all()) for p in model.parameters()):
             raise Diverged(f"training diverged in epoch {epoch}: a parameter is not finite "
                            f"(seqrec.lr = {train.lr}, clipping.C = {cfg.clipping.C}); the run ends FAILED")
         history.epoch.append(epoch)
-        history.loss.append(loss_sum / max(users, 1))
-        history.mean_norm.append(norm_sum / max(users, 1) if engine.private else math.nan)
+        history.loss.append(float(loss_sum) / max(users, 1))
+        history.mean_norm.append(float(norm_sum) / max(users, 1) if engine.private else math.nan)
         metrics = {"loss": history.loss[-1]}
         if engine.private:
             metrics["mean_grad_norm"] = history.mean_norm[-1]
