@@ -16,6 +16,7 @@ left by then).
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 import sqlite3
@@ -205,8 +206,6 @@ def _other_store(uri: str, key: str, scheme: str) -> None:
                           "sqlite:///path.db, http(s)://host:port or a database URL") from None
     if scheme.startswith("databricks"):
         from mlflow.utils.databricks_utils import get_databricks_host_creds
-
-        import logging
 
         quiet = logging.getLogger("mlflow.utils.databricks_utils")
         level, quiet.level = quiet.level, logging.ERROR  # its warning would print a second line

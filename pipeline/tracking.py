@@ -420,29 +420,36 @@ def begin_cell(cfg: DictConfig, out: Path) -> Cell | None:
 _HELD: dict[Path, object] = {}  # a single run's folder -> its lock, held until the process ends
 
 
-def _hold_run_folder(out: Path) -> None:
-    """An exclusive lock on a single run's folder (``.run.lock``, with the holder's pid): a second
-    copy of the same command launched into it while the first runs is refused (ConfigError: one
-    ``error:`` line, exit 2) instead of marking the first one's run FAILED and sharing its
-    checkpoint. The kernel drops the lock when the process ends, even by SIGKILL."""
+def hold(folder: Path, name: str, key: str, what: str):
+    """An exclusive lock on ``folder`` (the file ``name`` in it, holding this process's pid), kept
+    while the returned handle lives: the kernel drops it when the process ends, even by SIGKILL.
+    If another process holds it: ConfigError naming ``key`` (the folder's config key) and the
+    holder's pid, ``what`` naming what holds it ("run", "sweep")."""
     import fcntl
 
-    if Path(out).resolve() in _HELD:  # this process runs in it again (an in-process caller)
-        return
-    handle = open(Path(out) / ".run.lock", "a+")
+    handle = open(Path(folder) / name, "a+")
     try:
         fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError:
         handle.seek(0)
         holder = handle.read().strip() or "?"
         handle.close()
-        raise ConfigError(f"hydra.run.dir = {str(out)!r} is in use by another run (pid {holder}); wait for it to "
-                          "end, or give another hydra.run.dir") from None
+        raise ConfigError(f"{key} = {str(folder)!r} is in use by another {what} (pid {holder}); wait for it to "
+                          f"end, or give another {key}") from None
     handle.seek(0)
     handle.truncate()
     handle.write(str(os.getpid()))
     handle.flush()
-    _HELD[Path(out).resolve()] = handle
+    return handle
+
+
+def _hold_run_folder(out: Path) -> None:
+    """Lock a single run's folder (``.run.lock``) for this process: a second copy of the same
+    command launched into it while the first runs is refused (one ``error:`` line, exit 2) instead
+    of marking the first one's run FAILED and sharing its checkpoint."""
+    folder = Path(out).resolve()
+    if folder not in _HELD:  # else this process runs in it again (an in-process caller)
+        _HELD[folder] = hold(out, ".run.lock", "hydra.run.dir", "run")
 
 
 def _sha256(path: Path) -> str | None:

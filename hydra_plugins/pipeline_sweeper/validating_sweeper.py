@@ -80,28 +80,6 @@ def swept_keys(jobs: Sequence[Sequence[str]]) -> List[str]:
     return [key for key, seen in values.items() if len(seen) > 1 or counts[key] < len(jobs)]
 
 
-def _hold(sweep_dir: Path):
-    """An exclusive lock on the sweep folder (``.sweep.lock``, with the holder's pid), so that a second
-    sweep launched into it while this one runs is refused (one ``error:`` line, exit 2) instead of
-    both overwriting each other's summary. The kernel drops it when the process ends, even by SIGKILL."""
-    import fcntl
-    import os
-
-    handle = open(sweep_dir / ".sweep.lock", "a+")
-    try:
-        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
-        handle.seek(0)
-        holder = handle.read().strip() or "?"
-        _error(f"hydra.sweep.dir = {str(sweep_dir)!r} is in use by another sweep (pid {holder}); wait for it to end, "
-               f"or give another hydra.sweep.dir", 2)
-    handle.seek(0)
-    handle.truncate()
-    handle.write(str(os.getpid()))
-    handle.flush()
-    return handle
-
-
 class ValidatingSweeper(BasicSweeper):
     def __init__(self, max_batch_size: Optional[int] = None, params: Optional[Dict[str, str]] = None,
                  resume: bool = False, sweep_id: str = "", swept: Optional[List[str]] = None,
@@ -150,6 +128,7 @@ class ValidatingSweeper(BasicSweeper):
     def sweep(self, arguments: List[str]) -> Any:
         from pipeline import sweep as summary
         from pipeline import tracking
+        from pipeline.validation import ConfigError
 
         assert self.config is not None and self.launcher is not None and self.hydra_context is not None
         if self.max_batch_size is not None and (isinstance(self.max_batch_size, bool)
@@ -168,7 +147,10 @@ class ValidatingSweeper(BasicSweeper):
         sweep_dir = Path(str(self.config.hydra.sweep.dir)).resolve()
         self._pin(sweep_dir, jobs)
         sweep_dir.mkdir(parents=True, exist_ok=True)
-        self._lock = _hold(sweep_dir)  # held until this process exits, however it exits
+        try:  # a second sweep launched into the folder while this one runs is refused, not interleaved
+            self._lock = tracking.hold(sweep_dir, ".sweep.lock", "hydra.sweep.dir", "sweep")  # held until exit
+        except ConfigError as err:
+            _error(str(err), 2)
         OmegaConf.save(self.config, sweep_dir / "multirun.yaml")
         cancelled = self._cancel_earlier_jobs()
         if cancelled:

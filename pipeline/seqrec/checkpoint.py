@@ -10,8 +10,9 @@ so far spent). A checkpoint is resumed from only by a run of the same config
 (``tracking.config_hash``), the same code (``code_hash``: every source file of ``pipeline/``), the
 same data (``data_hash``: the built data set's every tensor, so a data file changed between the
 kill and the re-launch starts over) and the same device kind, and only if its bytes are those
-written (a SHA-256 digest heads the file: a damaged checkpoint starts over): a single run re-launched into its folder (``hydra.run.dir=<the folder>``), or
-a cell of a sweep resumed with ``hydra.sweeper.resume=true``. Anything else starts over, with a
+written (a SHA-256 digest heads the file: a damaged checkpoint starts over): a single run
+re-launched into its folder (``hydra.run.dir=<the folder>``), or a cell of a sweep resumed with
+``hydra.sweeper.resume=true``. Anything else starts over, with a
 log line saying why; a sweep launched without resume (every DVC stage) starts each cell over. The
 file is removed once the run has FINISHED.
 """
