@@ -1,6 +1,10 @@
 """``python -m pipeline [overrides] [-m]``: compose the config, look up its task, run the cell."""
 
+import signal
 import sys
+
+if __name__ == "__main__" and signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)  # Ctrl-C while the modules load: the process ends, no traceback
 
 import hydra
 from omegaconf import DictConfig
@@ -17,9 +21,9 @@ def _in_a_sweep() -> bool:
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="config")
 def main(cfg: DictConfig) -> None:
-    from pipeline import preflight, tasks  # here: a refused config does not wait for MLflow and plotting to load
-
     try:
+        from pipeline import preflight, tasks  # here: a refused config does not wait for MLflow and plotting to load
+
         checked = preflight.checked(cfg)  # done once: before Hydra made the folder, or by the sweeper
         tasks.get(cfg).run_cell(cfg, checked)
     except ConfigError as err:
@@ -30,13 +34,18 @@ def main(cfg: DictConfig) -> None:
             raise  # Hydra records the cell FAILED and the sweep goes on (SystemExit would stop the sweep)
         print(f"error: {err}", file=sys.stderr)
         sys.exit(1)
-    except KeyboardInterrupt as stop:  # Ctrl-C: the run ended KILLED (pipeline.tracking.run); no traceback
-        from pipeline import tracking
+    except KeyboardInterrupt as stop:  # Ctrl-C: a run it hit ended KILLED (pipeline.tracking.run); no traceback
+        _interrupted(stop)
 
-        if isinstance(stop, tracking.Terminated):  # SIGTERM in a sweep's cell before its run began: as within one
-            sys.exit(tracking.TERMINATED)
-        print("error: interrupted (Ctrl-C); the run ended KILLED", file=sys.stderr)
-        sys.exit(130)
+
+def _interrupted(stop: KeyboardInterrupt) -> None:
+    """Exit after Ctrl-C (130, one line saying whether it ended a run) or SIGTERM (143, silent)."""
+    tracking = sys.modules.get("pipeline.tracking")  # not imported here: Ctrl-C may have cut its import short
+    if isinstance(stop, getattr(tracking, "Terminated", ())):  # SIGTERM in a sweep's cell before its run began
+        sys.exit(tracking.TERMINATED)  # as within one
+    ended = "the run ended KILLED" if getattr(stop, "ended_run", False) else "no run was left RUNNING"
+    print(f"error: interrupted (Ctrl-C); {ended}", file=sys.stderr)
+    sys.exit(130)
 
 
 if __name__ == "__main__":
@@ -45,4 +54,9 @@ if __name__ == "__main__":
     if (message := unknown_choice(sys.argv[1:]) or unknown_key(sys.argv[1:])) is not None:
         print(f"error: {message}", file=sys.stderr)
         sys.exit(2)
-    main()
+    if signal.getsignal(signal.SIGINT) == signal.SIG_DFL:  # set above (ignored by a shell's background job: left so)
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # from here Ctrl-C raises: runs end KILLED
+    try:
+        main()
+    except KeyboardInterrupt as stop:  # outside a cell (Hydra's start: the checks; its end): no traceback
+        _interrupted(stop)

@@ -296,8 +296,9 @@ def run(name: str, tags: Mapping[str, str]) -> Iterator[mlflow.ActiveRun]:
         except Terminated:
             _end(RunStatus.KILLED)
             raise SystemExit(TERMINATED) from None
-        except KeyboardInterrupt:
+        except KeyboardInterrupt as stop:
             _end(RunStatus.KILLED)
+            stop.ended_run = True  # what the command's message says (pipeline/__main__.py)
             raise
         except BaseException as err:
             reason = str(err) if isinstance(err, RunFailed) else f"{type(err).__name__}: {err}"

@@ -205,6 +205,39 @@ def test_ctrl_c_ends_a_single_run_killed_with_130_and_one_line(run_cli, task):
     assert [r.info.status for r in found] == ["KILLED"]
 
 
+def test_ctrl_c_before_any_run_is_one_line_and_130(tmp_path):
+    """Ctrl-C while the checks run, before any run or folder exists (here a SLURM sweep whose cluster
+    check, sinfo, hangs): exit 130 with one line and no traceback; nothing is left behind."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from conftest import ROOT
+
+    asked = tmp_path / "asked"
+    (tmp_path / "bin").mkdir()
+    sinfo = tmp_path / "bin" / "sinfo"
+    sinfo.write_text(f"#!/bin/sh\ntouch {asked}\nsleep 60\n")
+    sinfo.chmod(0o755)
+    env = dict(os.environ, PATH=f"{tmp_path / 'bin'}{os.pathsep}{os.environ.get('PATH', '')}")
+    proc = subprocess.Popen([sys.executable, "-m", "pipeline", "hydra/launcher=submitit_slurm",
+                             f"hydra.sweep.dir={tmp_path / 'sweep'}", f"mlflow.tracking_uri=sqlite:///{tmp_path / 'm.db'}",
+                             "seed=0,1", "-m"], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    deadline = time.time() + 120
+    while not asked.exists() and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.1)
+    assert asked.exists(), communicate_or_kill(proc, 10)[1][-2000:]
+    os.kill(proc.pid, signal.SIGINT)
+    out, err = communicate_or_kill(proc, 60)
+    assert proc.returncode == 130 and "Traceback" not in err, err[-3000:]
+    assert [ln for ln in err.splitlines() if ln.strip()] == ["error: interrupted (Ctrl-C); no run was left RUNNING"]
+    assert not (tmp_path / "sweep").exists() and not (tmp_path / "m.db").exists()
+
+
 @pytest.mark.parametrize("task", ["noisyhead", "seqrec"])
 def test_a_run_killed_outright_is_ended_failed_by_the_next_launch(run_cli, task):
     """SIGKILL leaves the run RUNNING (nothing in the process can end it); the next launch on this
