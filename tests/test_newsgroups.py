@@ -73,3 +73,16 @@ def test_prompts_take_one_newsgroup_each(cfg_for, tmp_path):
     assert all(len(set(groups[row.numpy()])) == 1 for row in idx.reshape(-1, 5))  # one newsgroup per prompt
     assert all(len(set(row.tolist())) == 5 for row in idx.reshape(-1, 5))  # no article twice in a prompt
     assert p.private.norms().max() <= const.G * (1 + 1e-12) and p.private.y.abs().max() <= const.C
+
+
+def test_archive_with_too_few_articles_per_newsgroup_is_refused_before_compute(cfg_for, tmp_path):
+    """A prompt takes L + 1 articles of one newsgroup: an archive whose smallest newsgroup has fewer
+    is refused at validation (it used to pass the check and fail in the run's data step)."""
+    archive = make_tarball(tmp_path / "c.tar.gz", per_group=4)
+    assert newsgroups.check_archive(archive) == {s: {"comp.a": 4, "rec.b": 4, "sci.c": 4} for s in newsgroups.SPLITS}
+    base = ("dataset=newsgroups", "regime=newsgroups", "privacy.eps=0.5", f"dataset.archive={archive}",
+            "regime.N=20", "regime.D=5")
+    config.validate(cfg_for(*base, "regime.L=3"))  # 4 articles: enough for L + 1 = 4
+    with pytest.raises(config.ConfigError, match=r"dataset.archive: a newsgroup of the train split has 4 articles, "
+                                                 r"fewer than the L \+ 1 = 5"):
+        config.validate(cfg_for(*base, "regime.L=4"))

@@ -173,22 +173,33 @@ def _check_dataset(cfg: DictConfig) -> None:
         raise ConfigError(f"dataset.D = {dataset.D} must equal regime.D = {cfg.regime.D}")
     if dataset.vectorizer_fit not in newsgroups.SPLITS:
         raise ConfigError(f"dataset.vectorizer_fit must be one of {newsgroups.SPLITS}, got {dataset.vectorizer_fit!r}")
+    size = (cfg.regime.L if cfg.regime.L is not None else math.isqrt(cfg.regime.N)) + 1  # a prompt's articles
     try:
         if dataset.features:
+            key = "dataset.features"
             found = newsgroups.load(dataset.features, newsgroups.meta_of(dataset))
-            size = (cfg.regime.L if cfg.regime.L is not None else math.isqrt(cfg.regime.N)) + 1
-            for split, groups in found.group.items():
-                counts = [int((groups == g).sum()) for g in set(groups.tolist())]
-                if min(counts) < size:
-                    raise ConfigError(f"dataset.features: a newsgroup of the {split} split has {min(counts)} articles, "
-                                      f"fewer than the L + 1 = {size} a prompt takes")
+            counts = {split: [int((groups == g).sum()) for g in set(groups.tolist())]
+                      for split, groups in found.group.items()}
         elif dataset.archive:
-            newsgroups.check_archive(dataset.archive)
+            key = "dataset.archive"
+            counts = {split: list(groups.values()) for split, groups in newsgroups.check_archive(dataset.archive).items()}
+        else:
+            return
     except newsgroups.DataError as err:
         raise ConfigError(str(err)) from err
+    for split, sizes in counts.items():
+        if min(sizes) < size:
+            raise ConfigError(f"{key}: a newsgroup of the {split} split has {min(sizes)} articles, "
+                              f"fewer than the L + 1 = {size} a prompt takes")
 
 
 FLOAT_MAX = {"float64": 1.7976931348623157e308, "float32": 3.4028234663852886e38}  # by compute.dtype
+
+
+def _feature_limit(N: int, dtype: str) -> float:
+    """log10 of the largest feature norm whose square, summed over N prompts, stays finite in
+    ``dtype`` with two orders of magnitude to spare."""
+    return (math.log10(FLOAT_MAX[dtype]) - math.log10(N)) / 2 - 2
 
 
 def _check_sizes(regime: DictConfig, const: Constants, dtype: str) -> None:
@@ -196,7 +207,7 @@ def _check_sizes(regime: DictConfig, const: Constants, dtype: str) -> None:
     ``dtype``: responses below 10 (1 + tau) in practice, so features of norm up to 2 D 10 (1 + tau)
     (as in ``_check_attack`` with mu = alpha = 0), squared and summed over N prompts; the start's
     D x D entries init_scale N(0, 1) (below 40 in size), squared in its Frobenius norm."""
-    limit = (math.log10(FLOAT_MAX[dtype]) - math.log10(const.N)) / 2 - 2
+    limit = _feature_limit(const.N, dtype)
     log_feature = math.log10(const.D) + math.log10(10 * (1 + const.tau)) + math.log10(2)
     if log_feature > limit:
         raise ConfigError(f"regime.tau = {regime.tau!r} is too large: the prompts' features reach about "
@@ -230,7 +241,7 @@ def _check_attack(cfg: DictConfig, *, N: int, D: int, tau: float, dtype: str) ->
     log_response = max(log_alpha, math.log10(10 * (1 + tau))) + math.log10(2)
     log_tokens = 2 * math.log10(1 + abs(mu))
     log_feature = math.log10(D) + log_tokens + log_response
-    limit = (math.log10(FLOAT_MAX[dtype]) - math.log10(N)) / 2 - 2  # ||Z||^2 N, with room to spare
+    limit = _feature_limit(N, dtype)  # ||Z||^2 N, with room to spare
     if log_feature > limit:
         if log_tokens >= log_response:
             key, value = "attack.mu", cfg.mu
