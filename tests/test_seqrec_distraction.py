@@ -147,6 +147,8 @@ def test_the_entry_point_logs_to_mlflow_and_writes_report_dir(tmp_path):
 @pytest.mark.parametrize("bad,key", [
     ("distraction.draws=1", "distraction.draws"),
     ("distraction.eps=[8,-1]", "distraction.eps[1]"),
+    ("distraction.eps=[8,1000]", "distraction.eps[1] = 1000"),  # above MAX_EPS: Opacus's calibration would not end
+    ("distraction.eps=[1e-9,8]", "distraction.eps[0] = 1e-09"),  # no noise multiplier reaches it
     ("distraction.noise=[nosuch]", "distraction.noise"),
     ("distraction.buckets=[0.9,0.5]", "distraction.buckets"),
     ("model=transformer", "model=transformer"),

@@ -140,7 +140,10 @@ def validate(cfg: DictConfig) -> None:
     _, items = memory.sizes(ds)
     if t.k > items:
         raise ConfigError(f"seqrec.k = {t.k} exceeds the data set's {items} items (HR@k and NDCG@k rank k of them)")
-    _calibrates(cfg)
+    _calibrates(cfg, cfg.privacy.eps, "privacy.eps")
+    if cfg.get("distraction") is not None:  # each of its eps takes the noise of a DP-SGD run at that eps
+        for i, eps in enumerate(cfg.distraction.eps):
+            _calibrates(cfg, eps, f"distraction.eps[{i}]")
 
 
 def _distraction(cfg: DictConfig) -> None:
@@ -157,6 +160,7 @@ def _distraction(cfg: DictConfig) -> None:
         raise ConfigError(f"distraction.eps must be a non-empty list of positive numbers, got {eps!r}")
     for i, e in enumerate(eps):
         _num(e, f"distraction.eps[{i}]", 0.0)
+        validation.epsilon(e, f"distraction.eps[{i}]")  # at most MAX_EPS: Opacus's calibration never ends above it
     noise = d.get("noise")
     if not isinstance(noise, ListConfig) or not len(noise) or any(n not in distraction.NOISES for n in noise):
         raise ConfigError(f"distraction.noise must be a non-empty list of {list(distraction.NOISES)}, got {noise!r}")
@@ -185,14 +189,15 @@ def _calibration(eps: float, delta: float, batch_size: int, users: int, epochs: 
     return None
 
 
-def _calibrates(cfg: DictConfig) -> None:
-    """Refuse an eps so small that no noise multiplier reaches it (Opacus's calibration fails)."""
-    if cfg.clipping.name == "none" or not math.isfinite(float(cfg.privacy.eps)):
+def _calibrates(cfg: DictConfig, eps: float, key: str) -> None:
+    """Refuse an eps (of the config key ``key``) so small that no noise multiplier reaches it with
+    the run's other settings (Opacus's calibration fails)."""
+    if cfg.clipping.name == "none" or not math.isfinite(float(eps)):
         return
     share = reattention.histogram_share(cfg.model.get("reattention"))
     users, _ = memory.sizes(cfg.dataset)
-    why = _calibration(float(cfg.privacy.eps), float(cfg.privacy.delta), int(cfg.seqrec.batch_size), users,
+    why = _calibration(float(eps), float(cfg.privacy.delta), int(cfg.seqrec.batch_size), users,
                        int(cfg.seqrec.epochs), str(cfg.seqrec.accountant), share)
     if why is not None:
-        raise ConfigError(f"privacy.eps = {cfg.privacy.eps!r} with privacy.delta = {cfg.privacy.delta!r} cannot be "
-                          f"reached by DP-SGD with these settings ({why}); raise privacy.eps or privacy.delta")
+        raise ConfigError(f"{key} = {eps!r} with privacy.delta = {cfg.privacy.delta!r} cannot be "
+                          f"reached by DP-SGD with these settings ({why}); raise {key} or privacy.delta")
