@@ -120,3 +120,21 @@ def test_a_killed_cell_relaunched_into_its_folder_continues(tmp_path):
     assert pd.read_csv(folder / "results.csv").equals(pd.read_csv(tmp_path / "whole" / "results.csv"))
     assert pd.read_csv(folder / "history.csv").equals(pd.read_csv(tmp_path / "whole" / "history.csv"))
     assert not (folder / checkpoint.NAME).exists() and not (tmp_path / "whole" / checkpoint.NAME).exists()
+
+
+def test_a_resumed_sweep_removes_the_checkpoint_a_finished_cell_left(tmp_path):
+    """A process killed between a cell's FINISHED record and its checkpoint's removal leaves
+    checkpoint.pt beside finished results: the resumed sweep claims the cell (no compute) and
+    removes the file, so no optimizer state outlives a finished cell."""
+    common = [sys.executable, "-m", "pipeline", "experiment=dpformer_ci", "dataset.n_users=60", "dataset.L=8",
+              "seqrec.epochs=1", "compute.device=cpu", f"mlflow.tracking_uri=sqlite:///{tmp_path / 'mlflow.db'}",
+              f"hydra.sweep.dir={tmp_path / 'sweep'}", "seed=0,1"]
+    first = subprocess.run([*common, "-m"], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert first.returncode == 0, first.stderr[-2000:]
+    results = (tmp_path / "sweep" / "0" / "results.csv").read_bytes()
+    left = tmp_path / "sweep" / "0" / checkpoint.NAME
+    left.write_bytes(b"what a kill at the wrong moment leaves")
+    again = subprocess.run([*common, "hydra.sweeper.resume=true", "-m"], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert not left.exists()
+    assert (tmp_path / "sweep" / "0" / "results.csv").read_bytes() == results  # claimed, not run again

@@ -67,6 +67,7 @@ def run(cfg: DictConfig) -> Path:
     out = tracking.output_dir()
     job = tracking.begin_cell(cfg, out)
     if job is None:  # a resumed sweep: this folder holds the same cell, finished
+        checkpoint.remove(out / checkpoint.NAME)  # left if the process died between its record and the removal
         return out / "results.csv"
     tracking.setup(cfg)
     tags = job.tags() | {"task": "seqrec", "dataset": cfg.dataset.name, "model": train.model_name(cfg.model),
