@@ -86,3 +86,15 @@ def test_archive_with_too_few_articles_per_newsgroup_is_refused_before_compute(c
     with pytest.raises(config.ConfigError, match=r"dataset.archive: a newsgroup of the train split has 4 articles, "
                                                  r"fewer than the L \+ 1 = 5"):
         config.validate(cfg_for(*base, "regime.L=4"))
+
+
+@pytest.mark.parametrize("bad,key", [("regime.L=abc", "regime.L"), ("regime.N=2.5", "regime.N"),
+                                     ("regime.N=-4", "regime.N")])
+def test_a_bad_regime_is_refused_by_name_before_the_archive_is_counted(cfg_for, tmp_path, bad, key):
+    """The archive check needs L + 1: a bad regime.N or regime.L is refused by its own check first
+    (it crashed in math.isqrt or a TypeError when the archive was counted first)."""
+    archive = make_tarball(tmp_path / "c.tar.gz", per_group=4)
+    cfg = cfg_for("dataset=newsgroups", "regime=newsgroups", "privacy.eps=0.5", f"dataset.archive={archive}",
+                  "regime.D=5", "regime.L=null", bad)
+    with pytest.raises(config.ConfigError, match=rf"^{key}"):
+        config.validate(cfg)

@@ -141,8 +141,8 @@ def validate(cfg: DictConfig) -> Constants:
             raise ConfigError(f"method.{name}.estimator {spec.get('estimator')!r} is unknown; known: {sorted(ESTIMATORS)}")
     if "ridge" not in cfg.method or cfg.method.ridge.estimator != "ridge":
         raise ConfigError("method must include ridge: it is the oracle every excess risk is measured against")
-    _check_dataset(cfg)
-    const = derive(cfg.regime)
+    const = derive(cfg.regime)  # first: it refuses a bad regime.N or regime.L, which the dataset check uses
+    _check_dataset(cfg, prompt=const.L + 1)
     _check_attack(cfg.attack, N=const.N, D=const.D, tau=const.tau, dtype=cfg.compute.dtype)
     _check_privacy(cfg.privacy)
     _check_sizes(cfg.regime, const, cfg.compute.dtype)
@@ -156,8 +156,9 @@ def validate(cfg: DictConfig) -> Constants:
     return const
 
 
-def _check_dataset(cfg: DictConfig) -> None:
-    """The dataset is known and its files are there and readable (before any compute)."""
+def _check_dataset(cfg: DictConfig, prompt: int) -> None:
+    """The dataset is known and its files are there, readable, and hold at least ``prompt`` (L + 1)
+    articles in every newsgroup of each split (before any compute)."""
     from pipeline.noisyhead.data import DATASETS
 
     dataset = cfg.dataset
@@ -173,7 +174,6 @@ def _check_dataset(cfg: DictConfig) -> None:
         raise ConfigError(f"dataset.D = {dataset.D} must equal regime.D = {cfg.regime.D}")
     if dataset.vectorizer_fit not in newsgroups.SPLITS:
         raise ConfigError(f"dataset.vectorizer_fit must be one of {newsgroups.SPLITS}, got {dataset.vectorizer_fit!r}")
-    size = (cfg.regime.L if cfg.regime.L is not None else math.isqrt(cfg.regime.N)) + 1  # a prompt's articles
     try:
         if dataset.features:
             key = "dataset.features"
@@ -188,9 +188,9 @@ def _check_dataset(cfg: DictConfig) -> None:
     except newsgroups.DataError as err:
         raise ConfigError(str(err)) from err
     for split, sizes in counts.items():
-        if min(sizes) < size:
+        if min(sizes) < prompt:
             raise ConfigError(f"{key}: a newsgroup of the {split} split has {min(sizes)} articles, "
-                              f"fewer than the L + 1 = {size} a prompt takes")
+                              f"fewer than the L + 1 = {prompt} a prompt takes")
 
 
 FLOAT_MAX = {"float64": 1.7976931348623157e308, "float32": 3.4028234663852886e38}  # by compute.dtype
