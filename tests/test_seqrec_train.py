@@ -86,3 +86,23 @@ def test_schedule_warms_up_then_decays_to_zero():
     assert f(0) == pytest.approx(1 / 20) and f(19) == pytest.approx(1.0)
     assert f(60) == pytest.approx(0.5) and f(100) == 0.0
     assert all(f(s) >= f(s + 1) for s in range(20, 100))
+
+
+def test_an_empty_poisson_sample_returns_its_empties_on_the_rows_device():
+    """The step's check (``finite_step``) stacks the loss's with the gradients' on their device: an
+    empty sample's losses must be on the rows' device (they were made on the CPU, which a CUDA
+    run's check could not stack). The meta device stands in for a GPU here."""
+    model = build("transformer", True)
+    eng = clipping.make("phantom", model, clip_cfg())
+    losses, norms = train.noisy_gradient(eng, model, IDS[:0].to("meta"), TARGETS[:0].to("meta"), sigma=0.0, C=0.5,
+                                         expected_batch=10, generator=None)
+    assert losses.device.type == "meta" and norms.device.type == "meta"
+
+
+@pytest.mark.cuda
+def test_an_empty_poisson_sample_on_cuda_passes_the_step_check():
+    model = build("transformer", True).cuda()
+    eng = clipping.make("phantom", model, clip_cfg())
+    losses, _ = train.noisy_gradient(eng, model, IDS[:0].cuda(), TARGETS[:0].cuda(), sigma=2.0, C=0.5,
+                                     expected_batch=10, generator=torch.Generator(device="cuda").manual_seed(0))
+    assert train.finite_step(losses.sum(), model)

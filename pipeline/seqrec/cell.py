@@ -106,7 +106,7 @@ def run(cfg: DictConfig) -> Path:
         ran = len(history.epoch) - history.resumed_from  # this launch's epochs (a resumed run: those after its checkpoint)
         tracking.log_metrics("train", {"seconds": seconds, "seconds_per_epoch": seconds / max(ran, 1)})
         rows = evaluate.run(model, seqs, cfg)
-        peak = device.peak_memory_gb(dev)  # training's and the final evaluation's (its B x M scores)
+        peak = device.peak_memory_gb(dev)  # training's, validation's and the final evaluation's
         if peak is not None:
             tracking.log_metrics("compute", {"peak_memory_gb": peak})
         results = pd.DataFrame([{

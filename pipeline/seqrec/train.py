@@ -142,7 +142,7 @@ def noisy_gradient(engine, model, ids, targets, *, sigma: float, C: float, expec
         losses, norms = engine.step(ids, targets)
     else:  # an empty Poisson sample: the noise alone
         model.zero_grad()
-        losses, norms = torch.zeros(0), torch.zeros(0)
+        losses, norms = (torch.zeros(0, device=ids.device) for _ in range(2))  # where the step's checks run
     for p in model.parameters():
         if not p.requires_grad:
             continue
