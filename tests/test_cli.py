@@ -219,7 +219,7 @@ def test_ctrl_c_before_any_run_is_one_line_and_130(tmp_path):
     asked = tmp_path / "asked"
     (tmp_path / "bin").mkdir()
     sinfo = tmp_path / "bin" / "sinfo"
-    sinfo.write_text(f"#!/bin/sh\ntouch {asked}\nsleep 60\n")
+    sinfo.write_text(f"#!/bin/sh\ntouch {asked}\nexec sleep 60\n")  # exec: killed with it, not left behind
     sinfo.chmod(0o755)
     env = dict(os.environ, PATH=f"{tmp_path / 'bin'}{os.pathsep}{os.environ.get('PATH', '')}")
     proc = subprocess.Popen([sys.executable, "-m", "pipeline", "hydra/launcher=submitit_slurm",
