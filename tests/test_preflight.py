@@ -75,23 +75,35 @@ def test_the_refusal_names_the_key_the_task_says(monkeypatch):
                               "b 0.5 kB) and 1 kB are available; lower compute.chunk_trials")
 
 
-@pytest.mark.parametrize("B,L,M,dominant", [(64, 20, 20_000, "batch scores"), (256, 50, 200, "activations")])
-def test_dpformer_memory_estimate_bounds_a_measured_step(cfg_for, B, L, M, dominant):
-    """The estimate (pipeline/seqrec/memory.py) against the peak memory of one Phantom step measured
-    by the step benchmark in a fresh process: above it, within 2x, where the scores dominate (a
-    large M) and where the activations do (a small M: the scores alone were 4x short there)."""
+def _measured_step_gib(B: int, L: int, M: int, runs: int) -> float:
+    """The peak memory of one Phantom step, by the step benchmark in fresh processes (the growth of
+    ru_maxrss over the resident set before the step): the smallest of ``runs``. That growth also
+    holds what the first step faults in besides tensors (library pages, allocator arenas): about
+    0.3 GiB at B = 256, L = 50, M = 200 in a dozen runs here, but once 0.43 GiB in a CI run."""
     import json
     import subprocess
     import sys
     from pathlib import Path
 
+    found = []
+    for _ in range(runs):
+        proc = subprocess.run([sys.executable, "-m", "benchmarks.seqrec_step", "--worker", "phantom", "transformer", str(B),
+                               str(L), str(M), "--repeats", "1", "--threads", "1", "--device", "cpu"],
+                              cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        found.append(json.loads(proc.stdout.strip().splitlines()[-1])["peak_gb"])
+    return min(found)
+
+
+@pytest.mark.parametrize("B,L,M,dominant", [(64, 20, 20_000, "batch scores"), (1024, 50, 200, "activations")])
+def test_dpformer_memory_estimate_bounds_a_measured_step(cfg_for, B, L, M, dominant):
+    """The estimate (pipeline/seqrec/memory.py) against the peak memory of a Phantom step: above it,
+    within 2x, where the scores dominate (a large M) and where the activations do (a small M, at a
+    batch large enough that the step's tensors outweigh what else its first run faults in: the
+    estimate without activations was 4x short there)."""
     from pipeline.seqrec import memory as seqrec_memory
 
-    proc = subprocess.run([sys.executable, "-m", "benchmarks.seqrec_step", "--worker", "phantom", "transformer", str(B),
-                           str(L), str(M), "--repeats", "1", "--threads", "1", "--device", "cpu"],
-                          cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    measured = json.loads(proc.stdout.strip().splitlines()[-1])["peak_gb"] * 2**30
+    measured = _measured_step_gib(B, L, M, runs=2) * 2**30
     cfg = cfg_for("experiment=dpformer_ci", f"seqrec.batch_size={B}", f"dataset.L={L}", "model.d=64", "model.d_ff=256",
                   "dataset.n_users=100000", f"dataset.n_items={M}", "seqrec.eval_batch=1")
     need = seqrec_memory.estimate(cfg, "cpu")
