@@ -25,6 +25,7 @@ import zipfile
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Iterator
 
 import numpy as np
 
@@ -44,50 +45,44 @@ class Articles:
     group: dict[str, np.ndarray]  # split -> (n,) newsgroup index
 
 
-def read_archive(path: str | Path) -> dict[str, tuple[list[str], list[str]]]:
-    """split -> (texts, newsgroup names) from the bydate tarball; DataError if missing or corrupt."""
+def _articles(path: str | Path, *, texts: bool) -> Iterator[tuple[str, str, str | None]]:
+    """(split, newsgroup, text) of every article of the bydate tarball, in its order (the text
+    None unless ``texts``), read within one guard: DataError if the file is missing, corrupt or
+    holds no article of a split."""
     path = Path(path)
     if not path.is_file():
         raise DataError(f"dataset.archive: no such file {str(path)!r}")
-    out: dict[str, tuple[list[str], list[str]]] = {s: ([], []) for s in SPLITS}
+    seen = set()
     try:
         with tarfile.open(path, "r:gz") as tar:
             for member in tar:
                 parts = member.name.split("/")
-                if not member.isfile() or len(parts) != 3:
-                    continue
                 split = parts[0].removeprefix("20news-bydate-")
-                if split in out:
-                    out[split][0].append(tar.extractfile(member).read().decode("latin-1"))
-                    out[split][1].append(parts[1])
+                if member.isfile() and len(parts) == 3 and split in SPLITS:
+                    seen.add(split)
+                    yield split, parts[1], tar.extractfile(member).read().decode("latin-1") if texts else None
     except (tarfile.TarError, OSError, EOFError) as err:
         raise DataError(f"dataset.archive: {str(path)!r} is not a readable 20news-bydate tarball ({err})") from err
-    if not all(out[s][0] for s in SPLITS):
+    if seen != set(SPLITS):
         raise DataError(f"dataset.archive: {str(path)!r} holds no 20news-bydate-train/-test articles")
+
+
+def read_archive(path: str | Path) -> dict[str, tuple[list[str], list[str]]]:
+    """split -> (texts, newsgroup names) from the bydate tarball; DataError if missing or corrupt."""
+    out: dict[str, tuple[list[str], list[str]]] = {s: ([], []) for s in SPLITS}
+    for split, group, text in _articles(path, texts=True):
+        out[split][0].append(text)
+        out[split][1].append(group)
     return out
 
 
 def check_archive(path: str | Path) -> dict[str, dict[str, int]]:
     """Read the whole tarball (headers and gzip stream) without keeping it: split -> newsgroup ->
-    its number of articles, as ``read_archive`` would count them; DataError if missing, corrupt or
-    not the bydate layout. About a second for the 14 MB corpus."""
-    path = Path(path)
-    if not path.is_file():
-        raise DataError(f"dataset.archive: no such file {str(path)!r}")
-    splits: set[str] = set()
+    its number of articles, as ``read_archive`` counts them; DataError as there. About a second
+    for the 14 MB corpus."""
     counts: dict[str, dict[str, int]] = {s: {} for s in SPLITS}
-    try:
-        with tarfile.open(path, "r:gz") as tar:
-            for member in tar:
-                parts = member.name.split("/")
-                splits.add(parts[0])
-                split = parts[0].removeprefix("20news-bydate-")
-                if member.isfile() and len(parts) == 3 and split in counts:
-                    counts[split][parts[1]] = counts[split].get(parts[1], 0) + 1
-    except (tarfile.TarError, OSError, EOFError) as err:
-        raise DataError(f"dataset.archive: {str(path)!r} is not a readable 20news-bydate tarball ({err})") from err
-    if not {f"20news-bydate-{s}" for s in SPLITS} <= splits or not all(counts.values()):
-        raise DataError(f"dataset.archive: {str(path)!r} holds no 20news-bydate-train/-test articles")
+    for split, group, _ in _articles(path, texts=False):
+        counts[split][group] = counts[split].get(group, 0) + 1
     return counts
 
 
