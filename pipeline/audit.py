@@ -35,9 +35,12 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
-    from pipeline.overrides import unknown_choice
+    from pipeline.overrides import other_tasks_group, repeated, unknown_choice
 
-    if (message := unknown_choice(sys.argv[1:])) is not None:
+    argv = sys.argv[1:]
+    for warning in repeated(argv):
+        print(f"warning: {warning}", file=sys.stderr)
+    if (message := unknown_choice(argv) or other_tasks_group(argv)) is not None:
         print(f"error: {message}", file=sys.stderr)
         sys.exit(2)
     main()

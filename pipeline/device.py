@@ -18,10 +18,12 @@ from __future__ import annotations
 import os
 import re
 
-import torch
 from omegaconf import DictConfig
 
+from pipeline import lazy
 from pipeline.validation import ConfigError
+
+torch = lazy.module("torch")  # imported at first use: the config's checks load this module (pipeline/lazy.py)
 
 KEY = "compute.device"
 _SPEC = re.compile(r"^(auto|cpu|cuda)(?::(\d+))?$")
@@ -93,7 +95,8 @@ def configure(cfg: DictConfig, device: torch.device) -> None:
         torch.use_deterministic_algorithms(True, warn_only=True)
         torch.backends.cuda.matmul.allow_tf32 = tf32
         torch.backends.cudnn.allow_tf32 = tf32
-    else:
+    elif torch.are_deterministic_algorithms_enabled():  # an earlier CUDA cell of this process set it
+        # Only where set: the setter imports torch._dynamo and torch._inductor (2-3 s a process)
         torch.use_deterministic_algorithms(False)
 
 

@@ -17,9 +17,11 @@ import difflib
 import re
 from typing import Sequence
 
+from pipeline import tasks
 from pipeline.tasks import CONF, conf_dirs
 
 _CHOICE = re.compile(r"^(?:~|\+\+)?([a-z_]+)=(.*)$")
+_GROUP = re.compile(r"^(?:\+\+|\+)?([a-z_]+)=")  # a group chosen or added (Hydra's advice: +model=...)
 ROOTS = (CONF, *conf_dirs())  # the shared groups' folder, then each task's (Hydra's search path)
 
 
@@ -52,8 +54,74 @@ def unknown_choice(argv: Sequence[str]) -> str | None:
         known = options(group)
         for choice in (v.strip() for v in value.split(",")):
             if choice and choice not in known:
-                return f"{group}={choice!r} is not an option of {folders(group)}; options: {known}"
+                close = difflib.get_close_matches(choice, known, n=1)
+                hint = f"; did you mean {group}={close[0]}?" if close else ""
+                return f"{group}={choice!r} is not an option of {folders(group)}; options: {known}{hint}"
     return None
+
+
+def _task_groups() -> dict[str, set[str]]:
+    """task -> the groups only its folder ``conf/<task>/`` has (``model`` for seqrec, ``regime`` for
+    noisyhead); a group the shared ``conf/`` has, or several tasks have, belongs to none alone."""
+    shared = {p.name for p in CONF.iterdir() if p.is_dir()}
+    found = {root.name: {p.name for p in root.iterdir() if p.is_dir()} - shared for root in ROOTS[1:]}
+    return {task: groups - set().union(*(g for t, g in found.items() if t != task)) for task, groups in found.items()}
+
+
+def _task(argv: Sequence[str]) -> str | None:
+    """The task the command line runs: ``task=NAME``, else the task whose folder holds the chosen
+    experiment, else the default; None where one command line runs several (a sweep over them)."""
+    chosen = {}
+    for arg in argv:
+        match = _CHOICE.match(arg)
+        if match and match.group(1) in ("task", "experiment"):
+            chosen[match.group(1)] = match.group(2).strip()
+    if "task" in chosen:
+        return chosen["task"] if chosen["task"] in tasks.TASKS else None
+    experiment = chosen.get("experiment", "null")
+    if experiment in ("", "null"):
+        return tasks.DEFAULT
+    homes = {root.name for root in ROOTS[1:] for e in experiment.split(",") if (root / "experiment" / f"{e}.yaml").exists()}
+    return homes.pop() if len(homes) == 1 else None
+
+
+def other_tasks_group(argv: Sequence[str]) -> str | None:
+    """The error message for the first override choosing a group of a task the command does not run
+    (``model=dpformer`` in a NoisyHead run: Hydra's advice, +model=dpformer, ran NoisyHead and ignored
+    it; ``regime=highdim`` in a DPFormer run was ignored too), or None."""
+    task = _task(argv)
+    if task is None:
+        return None
+    for other, groups in _task_groups().items():
+        if other == task:
+            continue
+        for arg in argv:
+            match = _GROUP.match(arg)
+            if match and match.group(1) in groups:
+                group = match.group(1)
+                presets = sorted(p.stem for p in (CONF / other / "experiment").glob("*.yaml"))
+                hint = (f"choose one of its experiments with it ({', '.join(f'experiment={e}' for e in presets[:3])}, "
+                        f"...: conf/{other}/experiment/)" if other != tasks.DEFAULT else "drop it")
+                return (f"{arg}: {group} is a config group of task={other} (conf/{other}/{group}/), and this command "
+                        f"runs task={task}, which would ignore it; {hint}")
+    return None
+
+
+def repeated(argv: Sequence[str]) -> list[str]:
+    """A warning for each key or group given more than once (``privacy.eps=0.5 privacy.eps=0.2``):
+    Hydra takes the last without a word; scripts that append overrides rely on that, so it is kept
+    and said."""
+    seen: dict[str, str] = {}
+    warnings = []
+    for arg in argv:
+        key, sep, _ = arg.partition("=")
+        if not sep or arg.startswith("-"):
+            continue
+        key = key.lstrip("+~")
+        if key in seen and seen[key] != arg:
+            warnings.append(f"{key} is given twice ({seen[key]}, then {arg}): the last, {arg}, is used")
+        seen[key] = arg
+    return warnings
 
 
 FLAGS = ("-m", "--multirun")  # the command-line flags the key check passes over; with any other, Hydra's to judge
@@ -82,23 +150,23 @@ def unknown_key(argv: Sequence[str], config_name: str = "config") -> str | None:
     except Exception:  # a syntax error: Hydra's message says where
         return None
     first: list[str] = []
-    choices: list[str] = []  # the overrides that choose the config's shape: group options, additions, deletions
+    choices: list[tuple[str, str]] = []  # (key, line): the overrides that choose the config's shape
     for o in parsed:
         if o.key_or_group.startswith("hydra"):
             continue
         if o.is_sweep_override():
-            try:
-                values = list(o.sweep_string_iterator()) if o.is_discrete_sweep() else []
+            try:  # the first value only: a range is listed lazily (range(0,10000000000) would fill the memory)
+                value = next(iter(o.sweep_string_iterator()), None) if o.is_discrete_sweep() else None
             except Exception:  # a sweep function Hydra evaluates later (glob): Hydra's to judge
                 return None
-            if not values:
+            if value is None:
                 return None
-            line = f"{o.get_key_element()}={values[0]}"
+            line = f"{o.get_key_element()}={value}"
         else:
             line = o.input_line
         first.append(line)
         if "." not in o.key_or_group or o.get_key_element()[:1] in "+~":
-            choices.append(line)
+            choices.append((o.key_or_group, line))
     try:
         _compose(config_name, first)
         return None
@@ -111,8 +179,9 @@ def unknown_key(argv: Sequence[str], config_name: str = "config") -> str | None:
         return None
     line = next(o.input_line for o in parsed if o.key_or_group == key)
     parent, _, leaf = key.rpartition(".")
+    shape = [line for k, line in choices if k != key]  # a top-level key (bogus=1) would fail the shape too
     try:  # the config's shape without any value override (another may be a typo too)
-        node = OmegaConf.select(_compose(config_name, choices), parent) if parent else _compose(config_name, choices)
+        node = OmegaConf.select(_compose(config_name, shape), parent) if parent else _compose(config_name, shape)
     except Exception:
         node = None
     if node is not None and not isinstance(node, DictConfig):

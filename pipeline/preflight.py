@@ -26,14 +26,15 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import unquote, urlparse
 
-import torch
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, MissingMandatoryValue, OmegaConfBaseException
 
-from pipeline import device, tasks
+from pipeline import device, lazy, tasks
 from pipeline.task import Memory
 from pipeline.validation import ConfigError
+
+torch = lazy.module("torch")  # imported at first use: the config's checks load this module (pipeline/lazy.py)
 
 _PORTS = {"http": 80, "https": 443, "postgresql": 5432, "mysql": 3306, "mssql": 1433}
 
@@ -166,10 +167,22 @@ def tracking_uri(cfg: DictConfig) -> tuple[str, str]:
     return mlflow.get_tracking_uri(), "mlflow.tracking_uri (MLflow's default)"
 
 
+MAX_EXPERIMENT_NAME = 500  # MLflow's limit (mlflow.utils.validation.MAX_EXPERIMENT_NAME_LENGTH)
+
+
 def tracking_store(cfg: DictConfig) -> None:
     timeout = cfg.mlflow.get("connect_timeout")
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout <= 3600:
         raise ConfigError(f"mlflow.connect_timeout must be a number of seconds in (0, 3600], got {timeout!r}")
+    name = cfg.mlflow.get("experiment")
+    if not isinstance(name, str) or not name.strip() or len(name) > MAX_EXPERIMENT_NAME:
+        shown = f"{name[:60]!r}... ({len(name)} characters)" if isinstance(name, str) and len(name) > 60 else repr(name)
+        raise ConfigError(f"mlflow.experiment must be a name of 1 to {MAX_EXPERIMENT_NAME} characters, got {shown}")
+    run_id = os.environ.get("MLFLOW_RUN_ID")
+    if run_id:  # set by `mlflow run` and job wrappers: MLflow's start_run would reopen that run and log into it
+        raise ConfigError(f"MLFLOW_RUN_ID = {run_id!r} (from the environment): MLflow would reopen that run and "
+                          "write this one into it; the pipeline makes a run of its own for each cell and sweep. "
+                          "Unset it: env -u MLFLOW_RUN_ID python -m pipeline ...")
     uri, key = tracking_uri(cfg)
     parsed = urlparse(uri)
     scheme = parsed.scheme.lower()
@@ -180,6 +193,10 @@ def tracking_store(cfg: DictConfig) -> None:
     if scheme == "sqlite":
         _sqlite_store(uri, key, cfg)
     elif scheme in ("", "file") or (len(scheme) == 1 and sys.platform == "win32"):  # a local folder
+        if _folder_store_refused():
+            raise ConfigError(f"{key} = {uri!r}: this MLflow's folder store accepts no new runs (its 'maintenance "
+                              "mode'); give a database file, sqlite:///<folder>/mlflow.db (or set "
+                              "MLFLOW_ALLOW_FILE_STORE=true, MLflow's opt-out)")
         path = unquote(parsed.path) if scheme == "file" else uri
         why = _unwritable(path)
         if why:
@@ -195,6 +212,16 @@ def tracking_store(cfg: DictConfig) -> None:
         _other_store(uri, key, scheme)
 
 
+def _folder_store_refused() -> bool:
+    """Whether the installed MLflow refuses to open a folder store (3.x unless MLFLOW_ALLOW_FILE_STORE
+    is true; older releases have no such switch and use it)."""
+    try:
+        from mlflow.environment_variables import MLFLOW_ALLOW_FILE_STORE
+    except ImportError:
+        return False
+    return not MLFLOW_ALLOW_FILE_STORE.get()
+
+
 def _other_store(uri: str, key: str, scheme: str) -> None:
     """A scheme MLflow must know (``bogus://x`` is refused); Databricks's needs its credentials."""
     from mlflow.tracking._tracking_service.utils import _tracking_store_registry
@@ -202,7 +229,7 @@ def _other_store(uri: str, key: str, scheme: str) -> None:
     try:
         _tracking_store_registry.get_store_builder(uri)
     except Exception:  # noqa: BLE001 -- MLflow's unsupported-URI exception
-        raise ConfigError(f"{key} = {uri!r}: MLflow knows no tracking store of scheme {scheme!r}; give a folder, "
+        raise ConfigError(f"{key} = {uri!r}: MLflow knows no tracking store of scheme {scheme!r}; give "
                           "sqlite:///path.db, http(s)://host:port or a database URL") from None
     if scheme.startswith("databricks"):
         from mlflow.utils.databricks_utils import get_databricks_host_creds
@@ -222,8 +249,9 @@ def _sqlite_store(uri: str, key: str, cfg: DictConfig) -> None:
     """The database file (and its folder, for sqlite's journal) can be written, and so can the
     artifact folder of the configured experiment (or ./mlruns, where a new one would go)."""
     path = uri[len("sqlite://"):].split("?")[0]
-    if path in ("", "/", "/:memory:"):
-        return
+    if path in ("", "/", "/:memory:") or "mode=memory" in uri:
+        raise ConfigError(f"{key} = {uri!r} is an in-memory database: the runs would be gone when the process "
+                          "ends; give a file, sqlite:///path/mlflow.db")
     path = Path(path[1:] if path.startswith("/") else path)  # sqlite:///rel.db, sqlite:////abs.db
     why = _unwritable(path.parent)
     if why:
@@ -237,14 +265,18 @@ def _sqlite_store(uri: str, key: str, cfg: DictConfig) -> None:
             raise ConfigError(f"{key} = {uri!r}: the MLflow store cannot be written: "
                               f"{str(path)!r} ({err.strerror or err})") from None
         try:
-            db = sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=10)
+            wait = float(cfg.mlflow.connect_timeout)  # checked by tracking_store
+            db = sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=wait)
             try:
                 row = db.execute("SELECT artifact_location, lifecycle_stage, experiment_id FROM experiments "
                                  "WHERE name = ?", (str(cfg.mlflow.experiment),)).fetchone()
             finally:
                 db.close()
-        except sqlite3.OperationalError:  # a fresh store without tables yet
-            row = None
+        except sqlite3.OperationalError as err:
+            if "no such table" not in str(err):  # "database is locked": another process holds it
+                raise ConfigError(f"{key} = {uri!r}: the store cannot be read ({err}; waited {wait:g} s, "
+                                  "mlflow.connect_timeout): is another process holding it?") from None
+            row = None  # a fresh store without tables yet
         except sqlite3.DatabaseError as err:
             raise ConfigError(f"{key} = {uri!r}: {str(path)!r} is not an MLflow database ({err})") from None
         if row and row[1] == "deleted":

@@ -78,6 +78,7 @@ def gaussian_multiplier(*, eps: float, delta: float) -> float:
     return tight_multiplier(T=1, eps=eps, delta=delta)
 
 
+@functools.lru_cache(maxsize=1024)  # a cell calibrates twice (checked, then fitted), a sweep's cells often alike
 def spent_epsilon(*, multiplier: float, T: int, delta: float) -> float:
     """The eps, at delta, of T composed Gaussian steps with noise multiplier ``multiplier`` (one
     Gaussian with sensitivity sqrt(T)): dp-accounting's exact delta(eps) of that mechanism, inverted

@@ -27,7 +27,10 @@ from functools import lru_cache
 from typing import Sequence
 
 import numpy as np
-import torch
+
+from pipeline import lazy
+
+torch = lazy.module("torch")  # imported at first use: the config's checks load this module (pipeline/lazy.py)
 
 _GOLDEN = 0x9E3779B9  # odd: t -> key + t * _GOLDEN is a bijection mod 2^32
 _MASK = 0xFFFFFFFF

@@ -1,9 +1,11 @@
 """End to end: `python -m pipeline` as a user runs it, into a temporary MLflow store."""
 
+import sys
+
 import mlflow
 import pandas as pd
 import pytest
-from conftest import communicate_or_kill
+from conftest import ROOT, communicate_or_kill
 
 from pipeline.noisyhead.evaluate import COLUMNS
 
@@ -16,6 +18,7 @@ def runs(store):
     return client, client.search_runs([e.experiment_id for e in exps]) if exps else []
 
 
+@pytest.mark.slow
 def test_single_run_logs_every_step(run_cli):
     proc = run_cli(*TINY)
     results = pd.read_csv(run_cli.tmp / "run" / "results.csv")
@@ -45,6 +48,7 @@ def test_single_run_logs_every_step(run_cli):
     assert {"results.csv", "excess_risk.png", "config.yaml"} <= artifacts
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("override,needle", [
     ("privacy.eps=-1", "privacy.eps"),
     ("privacy.delta=2", "privacy.delta"),
@@ -62,6 +66,7 @@ def test_bad_input_fails_before_any_run(run_cli, override, needle):
     assert found == []
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("choice", ["regime=nosuch", "method=[ridge,nosuch]", "model=nosuch", "clipping=nosuch",
                                     "regime=lowdim,nosuch"])
 def test_unknown_option_is_one_error_line(run_cli, choice):
@@ -85,6 +90,7 @@ def test_overrides_check_leaves_valid_and_non_group_values_alone():
     assert unknown_choice(["attack=null"]).startswith("attack=null: a config group takes one of its options")
 
 
+@pytest.mark.slow
 def test_sweep_groups_its_cells_and_draws_the_figure(run_cli):
     run_cli(*TINY, "regime.N=40,60", "privacy.eps=0.5", "-m")
     sweep = run_cli.tmp / "sweep"
@@ -99,6 +105,7 @@ def test_sweep_groups_its_cells_and_draws_the_figure(run_cli):
     assert all(c.data.tags["mlflow.parentRunId"] == parents[0].info.run_id for c in cells)
 
 
+@pytest.mark.slow
 def test_a_bad_cell_stops_the_sweep_before_any_cell_runs(run_cli):
     proc = run_cli(*TINY, "privacy.eps=0.5,-1", "-m", expect_ok=False)
     assert proc.returncode != 0 and "privacy.eps" in proc.stderr
@@ -107,6 +114,7 @@ def test_a_bad_cell_stops_the_sweep_before_any_cell_runs(run_cli):
     assert found == []
 
 
+@pytest.mark.slow
 def test_table_sweep_writes_csv_and_markdown(run_cli):
     run_cli("experiment=table1_dpridge", "trials=3", "dataset.n_test=10", "regime.N=40,60", "privacy.eps=0.2", "-m")
     sweep = run_cli.tmp / "sweep"
@@ -121,6 +129,7 @@ def test_table_sweep_writes_csv_and_markdown(run_cli):
     assert {"table.md", "table.csv"} <= {a.path for a in client.list_artifacts(parent.info.run_id)}
 
 
+@pytest.mark.slow
 def test_a_terminated_run_is_marked_killed(run_cli):
     """SIGTERM in the middle of a cell ends its MLflow run as KILLED, not RUNNING."""
     import os
@@ -186,6 +195,7 @@ LONG = {"noisyhead": ["regime=overparam", "trials=400"],
         "seqrec": ["experiment=dpformer_ci", "seqrec.epochs=100000", "dataset.n_users=60", "dataset.L=8"]}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("task", ["noisyhead", "seqrec"])
 def test_ctrl_c_ends_a_single_run_killed_with_130_and_one_line(run_cli, task):
     import os
@@ -205,6 +215,7 @@ def test_ctrl_c_ends_a_single_run_killed_with_130_and_one_line(run_cli, task):
     assert [r.info.status for r in found] == ["KILLED"]
 
 
+@pytest.mark.slow
 def test_ctrl_c_before_any_run_is_one_line_and_130(tmp_path):
     """Ctrl-C while the checks run, before any run or folder exists (here a SLURM sweep whose cluster
     check, sinfo, hangs): exit 130 with one line and no traceback; nothing is left behind."""
@@ -238,6 +249,7 @@ def test_ctrl_c_before_any_run_is_one_line_and_130(tmp_path):
     assert not (tmp_path / "sweep").exists() and not (tmp_path / "m.db").exists()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("task", ["noisyhead", "seqrec"])
 def test_a_run_killed_outright_is_ended_failed_by_the_next_launch(run_cli, task):
     """SIGKILL leaves the run RUNNING (nothing in the process can end it); the next launch on this
@@ -262,6 +274,7 @@ def test_a_run_killed_outright_is_ended_failed_by_the_next_launch(run_cli, task)
     assert sorted(statuses.values()) == ["FAILED", "FINISHED"]
 
 
+@pytest.mark.slow
 def test_a_deleted_experiment_is_refused_with_one_line(run_cli):
     client = mlflow.MlflowClient(tracking_uri=run_cli.store)
     client.delete_experiment(client.create_experiment("noisyhead-icl"))
@@ -281,15 +294,76 @@ def test_one_trial_gives_no_interval_rather_than_a_zero_width_one():
 
     one = evaluate.summarize(torch.tensor([0.3], dtype=torch.float64), 0.95, "excess_risk")
     assert one["excess_risk_mean"] == 0.3 and math.isnan(one["excess_risk_ci_low"]) and math.isnan(one["excess_risk_ci_high"])
+    assert math.isnan(one["excess_risk_sd"])  # undefined, not 0
+    from pipeline.noisyhead.cell import summary
+
+    row = {"method": "noisyhead", "T": 5, "test_mse_mean": 1.0, "attack_risk_mean": math.nan, **one}
+    line = summary(pd.DataFrame([row])).splitlines()[1]
+    assert "0.3 +- n/a" in line and "[       n/a,        n/a]" in line and "nan" not in line, line
     two = evaluate.summarize(torch.tensor([0.3, 0.5], dtype=torch.float64), 0.95, "excess_risk")
     assert two["excess_risk_ci_low"] < 0.4 < two["excess_risk_ci_high"]
 
 
+@pytest.mark.slow
 def test_help_says_first_what_the_project_is(run_cli):
     proc = run_cli("--help")
     first = proc.stdout.splitlines()[0]
     assert first.startswith("Experiments on differentially private attention: NoisyHead"), first
     assert "DPFormer" in proc.stdout.split("\n\n")[0] and "== Configuration groups ==" in proc.stdout
+
+
+@pytest.mark.parametrize("overrides", [[], ["experiment=dpformer_ci", "model=gru", "privacy.eps=3"]])
+def test_fast_help_is_hydras_help_page(overrides):
+    """``python -m pipeline --help`` prints pipeline.usage's page, which must be Hydra's own app help
+    (header, groups and options, composed config, footer) for the same overrides, character for
+    character: here Hydra's ``app_help`` steps (its compose, sanitising and ``get_help``), in-process."""
+    import copy
+
+    from hydra import initialize_config_dir
+    from hydra._internal.utils import get_args_parser
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.types import RunMode
+
+    from pipeline import usage
+
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        hydra = GlobalHydra.instance().hydra
+        cfg = hydra.compose_config("config", overrides, run_mode=RunMode.RUN, with_log_configuration=False)
+        clean = hydra.get_sanitized_cfg(copy.deepcopy(cfg), "job")
+        hydras = hydra.get_help(cfg.hydra.help, clean, get_args_parser(), resolve=False)
+    assert "== Configuration groups ==" in hydras and "seqrec/model: dpformer," in hydras
+    assert usage.text(overrides) == hydras
+    assert usage.wanted(["--help", *overrides]) and not usage.wanted(["--help", "-m"])
+
+
+def test_a_group_of_the_other_task_is_refused_naming_it():
+    """model=dpformer in a NoisyHead run (Hydra's own advice, +model=dpformer, ran NoisyHead and ignored
+    it) and regime=highdim in a DPFormer run (ignored) are one error line naming the group and its task."""
+    from pipeline.overrides import other_tasks_group
+
+    for args in (["model=dpformer"], ["+model=dpformer"], ["clipping=phantom", "trials=4"]):
+        message = other_tasks_group(args)
+        assert message.startswith(f"{args[0]}: {args[0].lstrip('+').split('=')[0]} is a config group of task=seqrec"), message
+        assert "this command runs task=noisyhead" in message and "experiment=dpformer_ci" in message, message
+    message = other_tasks_group(["experiment=dpformer_ci", "regime=highdim"])
+    assert message.startswith("regime=highdim: regime is a config group of task=noisyhead"), message
+    assert message.endswith("runs task=seqrec, which would ignore it; drop it"), message
+    assert other_tasks_group(["task=seqrec", "method=[ridge]"]).startswith("method=[ridge]: method is")
+    for fine in (["experiment=dpformer_ci", "model=gru", "clipping=ghost"], ["regime=highdim", "attack=perturb"],
+                 ["experiment=fig1_lowdim,dpformer_ci", "model=gru"],  # a sweep over both tasks: Hydra's to judge
+                 ["experiment=dpformer_ci", "~regime"], ["dataset=newsgroups"], ["experiment=dpformer_ci", "dataset=movielens"]):
+        assert other_tasks_group(fine) is None, fine
+
+
+def test_a_key_given_twice_is_said_and_an_unknown_option_gets_the_closest():
+    from pipeline.overrides import repeated, unknown_choice
+
+    assert repeated(["privacy.eps=0.5", "trials=3", "privacy.eps=0.2"]) == [
+        "privacy.eps is given twice (privacy.eps=0.5, then privacy.eps=0.2): the last, privacy.eps=0.2, is used"]
+    assert repeated(["model=dpformer", "+model=transformer"])[0].startswith("model is given twice")
+    assert repeated(["trials=3", "trials=3", "-m", "regime.N=1,2"]) == []  # the same twice changes nothing
+    message = unknown_choice(["regime=lowdimm"])
+    assert "options: ['highdim', 'lowdim'," in message and message.endswith("did you mean regime=lowdim?"), message
 
 
 def test_key_check_leaves_valid_keys_sweeps_and_additions_alone():
@@ -306,3 +380,6 @@ def test_key_check_leaves_valid_keys_sweeps_and_additions_alone():
     message = unknown_key(["experiment=dpformer_ci", "model=dpformer", "model.reattention.errorz=adam"])
     assert message.startswith("model.reattention.errorz=adam: model.reattention.errorz is not a key")
     assert message.endswith("did you mean model.reattention.errors?")
+    top = unknown_key(["trial=4"])  # a top-level key: the config's own keys listed (it said "( is not one either)")
+    assert top.startswith("trial=4: trial is not a key of the config (the config has: attack, compute,"), top
+    assert top.endswith("did you mean trials?"), top

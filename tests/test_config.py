@@ -138,3 +138,32 @@ def test_every_regime_constant_is_documented_in_yaml():
         for key in regime:
             line = next(l for l in lines if l.strip().startswith(f"{key}:"))
             assert "#" in line or key == "name", f"{path.name}: {key} has no comment"
+
+
+def test_the_float_limits_the_checks_use_are_torchs():
+    """The config's checks bound numbers by each dtype's largest float without importing torch
+    (pipeline.lazy): the constants must be torch's own."""
+    import torch
+
+    from pipeline.noisyhead.constants import FLOAT_MAX
+
+    assert FLOAT_MAX == {name: torch.finfo(getattr(torch, name)).max for name in ("float64", "float32")}
+
+
+@pytest.mark.slow
+def test_a_config_is_checked_without_importing_torch():
+    """The refusals answer in a fraction of a second because the checks import no torch: a fresh
+    interpreter validates a NoisyHead config (its methods' calibration included) with torch unloaded."""
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+
+    code = ("import sys\nfrom hydra import compose, initialize_config_dir\nfrom pipeline import preflight, tasks\n"
+            f"with initialize_config_dir(config_dir={str(ROOT / 'conf')!r}, version_base='1.3'):\n"
+            "    cfg = compose('config', overrides=['method=[ridge,gd,noisyhead,dp_ridge,dpsgd,ssp]'])\n"
+            "tasks.get(cfg).validate(cfg)\n"
+            "print(sorted(m for m in ('torch', 'mlflow', 'matplotlib', 'pandas') if m in sys.modules))")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip() == "[]", proc.stdout

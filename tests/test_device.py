@@ -51,6 +51,7 @@ def run(*args: str, tmp_path, module: str = "pipeline"):
     return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA: compute.device=cuda is not refused")
 @pytest.mark.parametrize("args, needle", [
     (("experiment=dpformer_ci", "compute.device=cuda"), "error: compute.device = 'cuda': torch sees no CUDA device"),
@@ -102,6 +103,18 @@ def test_configure_takes_a_cuda_device_with_or_without_its_index(monkeypatch, de
         assert torch.backends.cuda.matmul.allow_tf32 and torch.backends.cudnn.allow_tf32
     finally:
         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = tf32
+
+
+@pytest.mark.parametrize("was_on", [False, True])
+def test_configure_on_the_cpu_turns_deterministic_mode_off_only_where_it_is_on(monkeypatch, was_on):
+    """On the CPU, deterministic mode ends off (as in a process that never saw a CUDA cell), and
+    torch's setter is called only when a CUDA cell turned it on: the setter imports torch._dynamo and
+    torch._inductor, 2-3 s of every CPU run's start-up for nothing."""
+    calls = []
+    monkeypatch.setattr(torch, "are_deterministic_algorithms_enabled", lambda: was_on)
+    monkeypatch.setattr(torch, "use_deterministic_algorithms", lambda on, warn_only=False: calls.append(on))
+    device.configure(OmegaConf.create({"compute": {}}), torch.device("cpu"))
+    assert calls == ([False] if was_on else [])
 
 
 def test_free_gpu_memory_counts_what_torchs_cache_holds_unused(monkeypatch):
@@ -177,6 +190,7 @@ def test_noisyhead_draws_on_the_cpu_whatever_the_device(cfg_for):
     assert u.device.type == "cpu" and u.dtype == torch.float32 and 0 <= float(u.min()) and float(u.max()) < 1
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("preset", [(), ("experiment=dpformer_ci",)], ids=["noisyhead", "seqrec"])
 def test_the_audit_refuses_a_gpu_before_its_folder(tmp_path, monkeypatch, preset):
     """The audit runs on the CPU (Task.audit_devices): a GPU is refused by the preflight callback,
@@ -223,6 +237,7 @@ def test_phantom_norms_on_cuda_match_the_cpu():
     torch.testing.assert_close(n_gpu.cpu(), n_cpu, rtol=1e-5, atol=1e-9)
 
 
+@pytest.mark.slow
 @pytest.mark.cuda
 def test_training_on_cuda_is_reproducible_and_stays_on_the_device(cfg_for):
     """Two runs with the same seed on CUDA give the same history; the model ends on the GPU."""
@@ -240,6 +255,7 @@ def test_training_on_cuda_is_reproducible_and_stays_on_the_device(cfg_for):
     assert histories[0].equals(histories[1])
 
 
+@pytest.mark.slow
 @pytest.mark.cuda
 def test_a_cuda_cell_runs_end_to_end_and_logs_its_device(tmp_path):
     proc = run("experiment=dpformer_ci", "compute.device=cuda", tmp_path=tmp_path)
@@ -280,6 +296,7 @@ def test_noisyhead_on_cuda_agrees_with_the_cpu_and_with_itself(cfg_for):
         torch.testing.assert_close(gpu[name].cpu(), cpu[name], rtol=1e-7, atol=1e-9, msg=name)
 
 
+@pytest.mark.slow
 @pytest.mark.cuda
 def test_a_noisyhead_cuda_cell_runs_end_to_end_and_logs_its_device(tmp_path):
     proc = run("compute.device=cuda", "attack=perturb", *NOISYHEAD_SMALL[:4], tmp_path=tmp_path)
@@ -293,6 +310,7 @@ def test_a_noisyhead_cuda_cell_runs_end_to_end_and_logs_its_device(tmp_path):
     assert float(runs["metrics.train.noisyhead.seconds_per_step"].iloc[0]) > 0
 
 
+@pytest.mark.slow
 def test_the_gpu_checks_script_refuses_an_unknown_part_before_anything(tmp_path):
     out = tmp_path / "checks"
     done = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu_checks.sh"), str(out), "tests", "bogus"],

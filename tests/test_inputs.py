@@ -95,6 +95,17 @@ CASES = {
     "store_databricks_without_credentials": (("mlflow.tracking_uri=databricks", "ENV:DATABRICKS_CONFIG_FILE=/nonexistent"),
                                              "mlflow.tracking_uri", "'databricks'"),
     "connect_timeout_text": (("mlflow.connect_timeout=abc",), "mlflow.connect_timeout", "'abc'"),
+    # MLflow's environment and stores that fail after the checks (issue 40)
+    "mlflow_run_id_set": (("ENV:MLFLOW_RUN_ID=0f1e2d3c4b5a",), "MLFLOW_RUN_ID", "0f1e2d3c4b5a"),
+    "seqrec_mlflow_run_id_set": ((*DPF, "ENV:MLFLOW_RUN_ID=0f1e2d3c4b5a"), "MLFLOW_RUN_ID", "0f1e2d3c4b5a"),
+    "store_folder": (("mlflow.tracking_uri={tmp}/store_folder",), "mlflow.tracking_uri", "store_folder"),
+    "store_file_uri": (("mlflow.tracking_uri=file://{tmp}/store_file",), "mlflow.tracking_uri", "file://"),
+    "store_in_memory": (("mlflow.tracking_uri=sqlite:///:memory:",), "mlflow.tracking_uri", ":memory:"),
+    "group_of_seqrec_in_noisyhead": (("+model=dpformer",), "+model=dpformer", "task=seqrec"),
+    "seqrec_group_of_noisyhead": ((*DPF, "regime=highdim"), "regime=highdim", "task=noisyhead"),
+    "sweep_too_large": (("seed=range(0,10000000000)", "-m"), "hydra.sweeper.max_cells", "70,000,000,000 cells"),
+    "sweep_max_cells_zero": (("hydra.sweeper.max_cells=0", "seed=0,1", "-m"), "hydra.sweeper.max_cells", "got 0"),
+    "experiment_name_too_long": (("mlflow.experiment=" + "x" * 501,), "mlflow.experiment", "501 characters"),
     "seed_above_64_bits": (("seed=18446744073709551616",), "seed", "18446744073709551616"),
     "run_dir_empty": (("hydra.run.dir=''",), "hydra.run.dir", "empty"),
     "sweep_n_jobs_zero": (("hydra/launcher=joblib", "hydra.launcher.n_jobs=0", "regime.N=100,200", "-m"),
@@ -209,6 +220,7 @@ def outcomes(tmp_path_factory):
     return done, ro
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(CASES))
 def test_bad_input_gives_one_error_line_and_exit_2_before_anything_runs(outcomes, name):
     done, ro = outcomes

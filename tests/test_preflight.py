@@ -95,6 +95,7 @@ def _measured_step_gib(B: int, L: int, M: int, runs: int) -> float:
     return min(found)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("B,L,M,dominant", [(64, 20, 20_000, "batch scores"), (1024, 50, 200, "activations")])
 def test_dpformer_memory_estimate_bounds_a_measured_step(cfg_for, B, L, M, dominant):
     """The estimate (pipeline/seqrec/memory.py) against the peak memory of a Phantom step: above it,
@@ -111,6 +112,7 @@ def test_dpformer_memory_estimate_bounds_a_measured_step(cfg_for, B, L, M, domin
     assert measured <= need.total <= 2 * measured, (measured / 2**30, need.parts)
 
 
+@pytest.mark.slow
 def test_a_dpformer_cell_too_large_for_memory_is_one_error_line(run_cli):
     """B x L x M scores beyond any machine's memory: refused before the run's folder exists."""
     proc = run_cli("experiment=dpformer_ci", "dataset.L=100000", "dataset.n_items=100000", expect_ok=False)
@@ -150,3 +152,22 @@ def test_joblib_n_jobs_must_be_a_non_zero_integer(cfg_for):
     cfg = cfg_for("hydra/launcher=joblib", "hydra.launcher.n_jobs=0", hydra=True)
     with pytest.raises(ConfigError, match="hydra.launcher.n_jobs must be a non-zero integer"):
         preflight.jobs(cfg)
+
+
+def test_a_locked_store_is_refused_not_read_as_a_fresh_one(tmp_path, cfg_for):
+    """Another process holding the sqlite store: its probe's "database is locked" is a refusal after
+    mlflow.connect_timeout seconds (it was read as a store without tables, and the run failed later)."""
+    import sqlite3
+
+    db = tmp_path / "mlflow.db"
+    with sqlite3.connect(db) as made:
+        made.execute("CREATE TABLE experiments (artifact_location, lifecycle_stage, experiment_id, name)")
+    holder = sqlite3.connect(db, isolation_level=None)
+    cfg = cfg_for(f"mlflow.tracking_uri=sqlite:///{db}", "mlflow.connect_timeout=0.2")
+    try:
+        holder.execute("BEGIN EXCLUSIVE")
+        with pytest.raises(ConfigError, match=r"database is locked; waited 0.2 s, mlflow.connect_timeout\): is another"):
+            preflight.tracking_store(cfg)
+    finally:
+        holder.close()
+    preflight.tracking_store(cfg)  # released: a store without runs yet, accepted

@@ -53,6 +53,7 @@ def test_runs_and_sweeps_started_together_get_their_own_folders(cfg_for):
     assert first.run.dir.startswith("outputs/runs/") and first.sweep.dir.startswith("outputs/multirun/")
 
 
+@pytest.mark.slow
 def test_failed_cell_resume_and_reuse_of_a_sweep_folder(tmp_path):
     """One sweep folder, three launches: (1) the N = 60 cell fails at run time: the summary holds
     N = 40, the failed cell is named, exit 1; (2) the same command with resume, in joblib workers:
@@ -106,6 +107,7 @@ def test_failed_cell_resume_and_reuse_of_a_sweep_folder(tmp_path):
     assert not [r for r in found if r.info.status == "RUNNING"]
 
 
+@pytest.mark.slow
 def test_a_failing_end_of_sweep_exits_nonzero_with_one_error_line(run_cli):
     report = run_cli.tmp / "report"
     (report / "results.csv").mkdir(parents=True)  # the report's table cannot be written
@@ -117,6 +119,7 @@ def test_a_failing_end_of_sweep_exits_nonzero_with_one_error_line(run_cli):
     assert sorted(r.data.tags["kind"] for r in found if r.info.status == "FINISHED") == ["cell", "sweep"]
 
 
+@pytest.mark.slow
 def test_parallel_jobs_on_a_fresh_default_store_lose_nothing(tmp_path):
     """8 processes open MLflow's default store (./mlflow.db) for the first time at once."""
     code = ("import sys; from omegaconf import OmegaConf; from pipeline import tracking\n"
@@ -168,6 +171,7 @@ def _joblib_sweep_inside_its_cells(tmp_path):
     return proc, store, _descendants(proc.pid)
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not os.path.isdir("/proc"), reason="reads /proc for the workers")
 def test_sigterm_stops_a_joblib_sweep_its_workers_and_its_runs(tmp_path):
     proc, store, workers = _joblib_sweep_inside_its_cells(tmp_path)
@@ -186,6 +190,7 @@ def test_sigterm_stops_a_joblib_sweep_its_workers_and_its_runs(tmp_path):
     assert [r.info.status for r in found] == ["KILLED", "KILLED"]
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not os.path.isdir("/proc"), reason="reads /proc for the workers")
 def test_sigkill_of_a_joblib_sweep_takes_its_workers_and_the_next_launch_ends_their_runs(tmp_path):
     """SIGKILL leaves the sweep no chance to stop anything: its loky workers once computed on for 10
@@ -214,6 +219,7 @@ def test_sigkill_of_a_joblib_sweep_takes_its_workers_and_the_next_launch_ends_th
     assert statuses == ["FAILED", "FAILED", "FINISHED"], statuses
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sweep_id", ["6e123456", "00001234"])
 def test_a_sweep_id_that_looks_like_a_number_still_matches_its_cells(run_cli, sweep_id):
     """A random hex id such as 6e123456 (about 3% of them) once reached the cells as the float inf,
@@ -225,6 +231,7 @@ def test_a_sweep_id_that_looks_like_a_number_still_matches_its_cells(run_cli, sw
     assert [r["sweep"] for r in records] == [sweep_id, sweep_id]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("damage", ["cut_mid_row", "emptied"])
 def test_resume_reruns_a_cell_whose_results_were_damaged(tmp_path, damage):
     """A resumed sweep re-checks each finished cell's results.csv against the hash its cell recorded:
@@ -244,6 +251,7 @@ def test_resume_reruns_a_cell_whose_results_were_damaged(tmp_path, damage):
     assert victim.read_bytes() == text
 
 
+@pytest.mark.slow
 def test_a_second_sweep_into_a_folder_in_use_is_refused(tmp_path):
     """Two sweeps into one hydra.sweep.dir at once would overwrite each other's summary: the second
     is refused with one error line (exit 2) while the first holds the folder; the first is unharmed."""
@@ -268,3 +276,21 @@ def test_a_second_sweep_into_a_folder_in_use_is_refused(tmp_path):
     out, err = first.communicate(timeout=600)
     assert first.returncode == 0, err[-3000:]
     assert sorted(pd.read_csv(sweep / "results.csv")["seed"].unique()) == [0, 1, 2, 3, 4, 5]
+
+
+def test_the_cell_count_is_computed_without_listing_the_cells():
+    """A sweep's size before any cell is composed: ranges counted by arithmetic (a 10-billion range
+    filled the memory), a key given again replaces its values (the default grid's regime.N by the
+    command line's), glob and plain values as Hydra reads them."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    from hydra_plugins.pipeline_sweeper.validating_sweeper import cell_count
+
+    def count(*args):
+        return cell_count(OverridesParser.create().parse_overrides(list(args)))
+
+    assert count("seed=range(0,10000000000)", "regime.N=1000,2000,4000") == 3 * 10**10
+    assert count("regime.N=1,2,3,4,5,6,7", "seed=range(0,100)", "regime.N=1000,2000") == 200
+    assert count("seed=range(1,10,4)", "privacy.eps=0.5", "trials=3") == 3  # 1, 5, 9
+    assert count("seed=range(5,5)") == 0 and count("trials=3") == 1
+    assert count("lr=range(0.1,1.0,0.3)") == len([0.1, 0.4, 0.7])

@@ -24,6 +24,7 @@ It lives in ``hydra_plugins`` because Hydra only loads sweepers from there.
 """
 
 import logging
+import math
 import sys
 import time
 from dataclasses import dataclass, field
@@ -47,6 +48,7 @@ class ValidatingSweeperConf:
     max_batch_size: Optional[int] = None
     params: Optional[Dict[str, str]] = None
     resume: bool = False           # skip cells that FINISHED earlier in this sweep folder with the same config
+    max_cells: int = 10000         # a sweep of more cells is refused at once, with its count (raise it to run one)
     sweep_id: str = "${uid:}"      # tags every cell of this sweep (made concrete before launching)
     swept: List[str] = field(default_factory=list)  # set here: the keys whose value differs between cells
     cells: int = 0                 # set here: the number of cells (a cell's k/n progress line)
@@ -55,6 +57,30 @@ class ValidatingSweeperConf:
 
 ConfigStore.instance().store(group="hydra/sweeper", name="validating", node=ValidatingSweeperConf,
                              provider="pipeline")
+
+
+PROGRESS_EVERY = 10.0  # seconds between the lines saying how many cells were checked
+
+
+def cell_count(overrides) -> int:
+    """The number of cells the overrides sweep (the product of each swept key's number of values; a
+    key given again replaces its values, as in ``split_arguments``), counted without listing them: a
+    range's length is computed, not iterated."""
+    from hydra.core.override_parser.types import ChoiceSweep, RangeSweep
+
+    values = {}
+    for override in overrides:
+        value = override.value()
+        if not override.is_sweep_override():
+            n = 1
+        elif isinstance(value, ChoiceSweep):
+            n = len(value.list)
+        elif isinstance(value, RangeSweep) and value.step:
+            n = max(0, math.ceil((value.stop - value.start) / value.step))
+        else:  # glob or an interval: as Hydra lists it
+            n = len(list(override.sweep_string_iterator()))
+        values[override.get_key_element()] = n
+    return math.prod(values.values())
 
 
 def _quote(value: str) -> str:
@@ -83,9 +109,12 @@ def swept_keys(jobs: Sequence[Sequence[str]]) -> List[str]:
 class ValidatingSweeper(BasicSweeper):
     def __init__(self, max_batch_size: Optional[int] = None, params: Optional[Dict[str, str]] = None,
                  resume: bool = False, sweep_id: str = "", swept: Optional[List[str]] = None,
-                 cells: int = 0, started: float = 0.0) -> None:
+                 cells: int = 0, started: float = 0.0, max_cells: int = 10000) -> None:
         super().__init__(max_batch_size=max_batch_size, params=params)
         self.resume = resume
+        self.max_cells = max_cells
+        self._checked = 0  # cells checked so far (progress of a long validation)
+        self._said = time.monotonic()
         self.sweep_id = sweep_id
 
     def validate_batch_is_legal(self, batch: Sequence[Sequence[str]]) -> None:
@@ -94,6 +123,10 @@ class ValidatingSweeper(BasicSweeper):
         loader = self.hydra_context.config_loader
         cells = sum(len(b) for b in self.overrides) if self.overrides else len(batch)
         for overrides in batch:
+            self._checked += 1
+            if time.monotonic() - self._said >= PROGRESS_EVERY:
+                log.info("checked %d of %d cells", self._checked, cells)
+                self._said = time.monotonic()
             cfg = loader.load_sweep_config(master_config=self.config, sweep_overrides=list(overrides))
             try:  # the memory of the cells a joblib launcher runs at once; a SLURM cell's device where it runs
                 preflight.check(cfg, str(cfg.hydra.sweep.dir), "hydra.sweep.dir", min(preflight.jobs(cfg), cells),
@@ -126,19 +159,26 @@ class ValidatingSweeper(BasicSweeper):
         return submitit_jobs.cancel_earlier_jobs(folder)
 
     def sweep(self, arguments: List[str]) -> Any:
-        from pipeline import sweep as summary
-        from pipeline import tracking
-        from pipeline.validation import ConfigError
-
         assert self.config is not None and self.launcher is not None and self.hydra_context is not None
         if self.max_batch_size is not None and (isinstance(self.max_batch_size, bool)
                                                 or not isinstance(self.max_batch_size, int) or self.max_batch_size < 1):
             _error(f"hydra.sweeper.max_batch_size must be null (every cell at once) or a positive integer, "
                    f"got {self.max_batch_size!r}", 2)
+        if isinstance(self.max_cells, bool) or not isinstance(self.max_cells, int) or self.max_cells < 1:
+            _error(f"hydra.sweeper.max_cells must be a positive integer, got {self.max_cells!r}", 2)
         params_conf = self._parse_config()
         params_conf.extend(arguments)
         parser = OverridesParser.create(config_loader=self.hydra_context.config_loader)
-        self.overrides = self.split_arguments(parser.parse_overrides(params_conf), self.max_batch_size)
+        parsed = parser.parse_overrides(params_conf)
+        count = cell_count(parsed)
+        if count > self.max_cells:  # before composing any: 700k cells took hours to validate, 1e10 ran out of memory
+            _error(f"hydra.sweeper.max_cells = {self.max_cells:,}: the sweep has {count:,} cells, more than that; "
+                   f"to run them all, add hydra.sweeper.max_cells={count}", 2)
+        self.overrides = self.split_arguments(parsed, self.max_batch_size)
+        from pipeline import sweep as summary  # after the count: a refused sweep does not wait for MLflow to load
+        from pipeline import tracking
+        from pipeline.validation import ConfigError
+
         for batch in self.overrides:  # every cell, before any runs
             self.validate_batch_is_legal(batch)
         jobs = [list(job) for batch in self.overrides for job in batch]

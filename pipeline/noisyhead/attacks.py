@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import dataclasses
 
-import torch
-
+from pipeline import lazy
 from pipeline.noisyhead.features import Features, from_tokens, privatize
+
+torch = lazy.module("torch")  # imported at first use: the config's checks load this module (pipeline/lazy.py)
 
 
 def alpha(spec, N: int) -> float:

@@ -58,15 +58,22 @@ def headline_metrics(results) -> dict[str, float]:
     return out
 
 
+def _g(value: float, spec: str) -> str:
+    """``value`` in ``spec``'s width, or ``n/a`` there where it is undefined (NaN: one trial's sd and interval)."""
+    if value != value:
+        return format("n/a", spec.split(".")[0])  # the alignment and width ('<10') without the precision
+    return format(value, spec)
+
+
 def summary(results) -> str:
     attacked = results["attack_risk_mean"].notna().any()
     head = f"{'method':>15} {'T':>5} {'excess risk (mean +- sd)':>30} {'95% CI of mean':>26} {'test MSE':>10}"
     lines = [head + (f" {'coupling':>12} {'attack risk (mean +- sd)':>28}" if attacked else "")]
     for r in results.itertuples():
-        line = (f"{r.method:>15} {r.T:>5} {r.excess_risk_mean:>16.4g} +- {r.excess_risk_sd:<10.3g} "
-                f"[{r.excess_risk_ci_low:>10.4g}, {r.excess_risk_ci_high:>10.4g}] {r.test_mse_mean:>10.4g}")
+        line = (f"{r.method:>15} {r.T:>5} {r.excess_risk_mean:>16.4g} +- {_g(r.excess_risk_sd, '<10.3g')} "
+                f"[{_g(r.excess_risk_ci_low, '>10.4g')}, {_g(r.excess_risk_ci_high, '>10.4g')}] {r.test_mse_mean:>10.4g}")
         if attacked:
-            line += f" {r.coupling:>12} {r.attack_risk_mean:>14.4g} +- {r.attack_risk_sd:<10.3g}"
+            line += f" {r.coupling:>12} {r.attack_risk_mean:>14.4g} +- {_g(r.attack_risk_sd, '<10.3g')}"
         lines.append(line)
     return "\n".join(lines)
 

@@ -12,7 +12,7 @@ import math
 from omegaconf import DictConfig, ListConfig
 
 from pipeline import privacy, validation
-from pipeline.noisyhead.constants import Constants
+from pipeline.noisyhead.constants import FLOAT_MAX, Constants
 from pipeline.validation import MAX_INT, ConfigError
 from pipeline.validation import number as _number
 from pipeline.validation import positive_int as _positive_int
@@ -193,7 +193,6 @@ def _check_dataset(cfg: DictConfig, prompt: int) -> None:
                               f"fewer than the L + 1 = {prompt} a prompt takes")
 
 
-FLOAT_MAX = {"float64": 1.7976931348623157e308, "float32": 3.4028234663852886e38}  # by compute.dtype
 
 
 def _feature_limit(N: int, dtype: str) -> float:

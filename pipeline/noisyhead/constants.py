@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
+FLOAT_MAX = {"float64": 1.7976931348623157e308, "float32": 3.4028234663852886e38}  # torch.finfo(dtype).max, by compute.dtype
+
 
 @dataclass(frozen=True)
 class Constants:

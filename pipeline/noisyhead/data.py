@@ -18,15 +18,19 @@ import logging
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, fields, is_dataclass
+from typing import TYPE_CHECKING
 
-import torch
-from torch import Tensor
 from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
-from pipeline import rng
+from pipeline import lazy, rng
 from pipeline.noisyhead.constants import Constants
 from pipeline.noisyhead.features import Features, from_tokens, privatize
+
+if TYPE_CHECKING:
+    from torch import Tensor
+
+torch = lazy.module("torch")  # imported at first use: the config's checks load this module (pipeline/lazy.py)
 
 log = logging.getLogger(__name__)
 
@@ -234,7 +238,7 @@ def _problem(out: dict[str, Features], *, G: float, clipped_share: float, finger
     )
 
 
-def _empty(*shape_and_D: int, dtype=torch.float32) -> Features:
+def _empty(*shape_and_D: int, dtype) -> Features:
     """Uninitialised features of leading shape ``shape_and_D[:-1]`` and dimension D."""
     *shape, D = shape_and_D
     return Features(torch.empty(*shape, D, dtype=dtype), torch.empty(*shape, D, dtype=dtype),
@@ -332,7 +336,7 @@ def held_bytes(device: torch.device | str) -> int:
     device, storages = torch.device(device), {}
 
     def walk(x) -> None:
-        if isinstance(x, Tensor):
+        if isinstance(x, torch.Tensor):
             if x.device == device:
                 storage = x.untyped_storage()
                 storages[storage.data_ptr()] = storage.nbytes()

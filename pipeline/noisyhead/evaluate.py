@@ -58,7 +58,7 @@ def summarize(values: Tensor, level: float, name: str) -> dict[str, float]:
     values = values.double()
     B = values.numel()
     mean = values.mean().item()
-    sd = values.std().item() if B > 1 else 0.0
+    sd = values.std().item() if B > 1 else math.nan  # one trial: no spread to speak of (printed n/a)
     # one trial: no spread to estimate, so no interval (NaN), never a zero-width one
     half = NormalDist().inv_cdf(0.5 + level / 2) * sd / math.sqrt(B) if B > 1 else math.nan
     out = {f"{name}_mean": mean, f"{name}_sd": sd, f"{name}_ci_low": mean - half, f"{name}_ci_high": mean + half}

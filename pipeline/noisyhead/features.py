@@ -10,9 +10,14 @@ parameter matrices per trial (one per horizon T).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-import torch
-from torch import Tensor
+from pipeline import lazy
+
+if TYPE_CHECKING:
+    from torch import Tensor
+
+torch = lazy.module("torch")  # imported at first use: the config's checks load this module (pipeline/lazy.py)
 
 
 @dataclass

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Iterator
+from typing import TYPE_CHECKING, Iterator
 
-from torch import Tensor
 from tqdm import tqdm
+
+if TYPE_CHECKING:
+    from torch import Tensor
 
 
 @dataclass

@@ -22,9 +22,14 @@ and its closed form is exactly Algorithm 1's output.
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
-import torch
-from torch import Tensor
+from pipeline import lazy
+
+if TYPE_CHECKING:
+    from torch import Tensor
+
+torch = lazy.module("torch")  # imported at first use: the config's checks load this module (pipeline/lazy.py)
 
 TOLERANCE = 1e-18  # relative weight of the dropped series terms
 

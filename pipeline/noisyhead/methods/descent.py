@@ -18,12 +18,14 @@ prove that to be exact (``pipeline/noisyhead/methods/closed_form.py``), else ste
 from __future__ import annotations
 
 import math
-
-from torch import Tensor
+from typing import TYPE_CHECKING
 
 from pipeline import rng
 from pipeline.noisyhead.features import Features, project_frobenius
 from pipeline.noisyhead.methods.base import steps as progress
+
+if TYPE_CHECKING:
+    from torch import Tensor
 
 
 class Quadratic:

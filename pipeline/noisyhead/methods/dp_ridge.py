@@ -17,11 +17,11 @@ The method's ``calibration`` setting picks s:
 
 from __future__ import annotations
 
-import torch
-
-from pipeline import privacy, rng
+from pipeline import lazy, privacy, rng
 from pipeline.noisyhead.methods import ridge
 from pipeline.noisyhead.methods.base import Fit, chunks, noise_scale
+
+torch = lazy.module("torch")  # imported at first use: the config's checks load this module (pipeline/lazy.py)
 
 PRIVATE = True
 ITERATIVE = False  # a direct solve, no steps

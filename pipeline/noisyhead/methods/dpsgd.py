@@ -22,14 +22,17 @@ gives for (eps, delta) after T steps of the subsampled Gaussian mechanism at rat
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
-import torch
-from torch import Tensor
-
-from pipeline import privacy, rng
+from pipeline import lazy, privacy, rng
 from pipeline.noisyhead.features import Features
 from pipeline.noisyhead.methods.base import Fit, chunks, noise_scale, steps as progress
 from pipeline.noisyhead.methods.descent import initial_gamma
+
+if TYPE_CHECKING:
+    from torch import Tensor
+
+torch = lazy.module("torch")  # imported at first use: the config's checks load this module (pipeline/lazy.py)
 
 PRIVATE = True
 ITERATIVE = True  # runs T steps: its time per step is logged

@@ -3,10 +3,11 @@ features, with no clipping, no projection and no noise, from the same start."""
 
 from __future__ import annotations
 
-import torch
-
+from pipeline import lazy
 from pipeline.noisyhead.methods.base import Fit, chunks
 from pipeline.noisyhead.methods.descent import Quadratic, descend, initial_gamma, run
+
+torch = lazy.module("torch")  # imported at first use: the config's checks load this module (pipeline/lazy.py)
 
 
 PRIVATE = False

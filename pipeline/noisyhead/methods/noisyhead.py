@@ -19,11 +19,13 @@ from __future__ import annotations
 import math
 
 import numpy as np
-import torch
 
-from pipeline import privacy, rng
+from pipeline import lazy, privacy, rng
+from pipeline.noisyhead.constants import FLOAT_MAX  # torch.finfo's, without importing torch to check a config
 from pipeline.noisyhead.methods.base import Fit, chunks, noise_scale
 from pipeline.noisyhead.methods.descent import Quadratic, descend, initial_gamma, run
+
+torch = lazy.module("torch")  # imported at first use: the config's checks load this module (pipeline/lazy.py)
 
 
 PRIVATE = True
@@ -79,7 +81,7 @@ def check(spec, cfg, const) -> str | None:
         Ts, stds, _ = calibrate(spec, const, cfg, const.N)
     except (ValueError, ArithmeticError) as err:  # a per-step budget that underflows, an accountant's overflow
         return f"{budget}: the noise cannot be calibrated ({err})"
-    largest = math.sqrt(torch.finfo(getattr(torch, cfg.compute.dtype)).max) / (40 * const.D)  # the noise's squared norm
+    largest = math.sqrt(FLOAT_MAX[cfg.compute.dtype]) / (40 * const.D)  # the noise's squared norm
     for T, std in zip(Ts, stds):
         if not std < largest:  # NaN too
             return f"{budget}: the per-step noise std for T = {T} is {std:.3g}, too large to compute with"

@@ -19,13 +19,17 @@ does not converge is solved directly.
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
-import torch
-from torch import Tensor
-
+from pipeline import lazy
 from pipeline.noisyhead.features import Features
 from pipeline.noisyhead.methods.base import Fit, chunks
 from pipeline.noisyhead.methods.descent import Quadratic
+
+if TYPE_CHECKING:
+    from torch import Tensor
+
+torch = lazy.module("torch")  # imported at first use: the config's checks load this module (pipeline/lazy.py)
 
 
 def penalty(lam: float, oracle: str) -> float:

@@ -32,14 +32,17 @@ Gram matrix is never formed then). The method's ``penalty`` picks mu:
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
-import torch
-from torch import Tensor
-
-from pipeline import privacy, rng
+from pipeline import lazy, privacy, rng
 from pipeline.noisyhead.methods import ridge
 from pipeline.noisyhead.methods.base import Fit, chunks, noise_scale
 from pipeline.noisyhead.methods.descent import Quadratic
+
+if TYPE_CHECKING:
+    from torch import Tensor
+
+torch = lazy.module("torch")  # imported at first use: the config's checks load this module (pipeline/lazy.py)
 
 PRIVATE = True
 ITERATIVE = False  # a direct solve, no steps
