@@ -28,6 +28,7 @@ def test_clopper_pearson_known_values():
     assert lo[1] < 0.07 < hi[1] and hi[2] == 1
 
 
+@pytest.mark.slow
 def test_lower_bound_holds_at_its_confidence():
     """Over 100 independent audits of a mechanism that is exactly (1, 1e-5)-DP, the bound may exceed
     the true eps in at most 5% of them (it is conservative: in practice never)."""
@@ -50,6 +51,7 @@ def test_halved_noise_is_flagged():
     assert bound.eps_lower > 1.0
 
 
+@pytest.mark.slow
 def test_audit_cli_flags_under_noised_ssp_and_passes_the_calibrated_one(tmp_path):
     """python -m pipeline.audit at eps = 1, delta = 1e-5 with 100,000 runs per set: SSP as shipped is
     consistent, SSP with its noise std halved is a violation; each audit is an MLflow run with
@@ -80,6 +82,7 @@ def test_audit_cli_flags_under_noised_ssp_and_passes_the_calibrated_one(tmp_path
     assert (runs["metrics.audit.eps_lower"] > 0).all()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("override,message", [
     ("audit.methods=[gd]", "audit.methods"),
     ("audit.runs=0", "audit.runs"),
@@ -132,6 +135,7 @@ def test_few_runs_are_inconclusive_where_many_prove_a_violation(runs, expected):
         assert bound.eps_lower <= 1.0 and f"at most {bound.eps_ceiling:.3g} provable" in outcome
 
 
+@pytest.mark.slow
 def test_audit_cli_reports_inconclusive_for_a_small_audit(tmp_path):
     """The appendix-B calibration, proven in violation at 100,000 runs (README), audited with 2,000
     runs: 'inconclusive' in the console, audit.csv and the MLflow tag, with the ceiling logged."""

@@ -111,6 +111,7 @@ def test_sweep_prints_its_table_parent_run_and_ui_address(sweep):
     assert f"report: {tmp / 'sweep' / 'report.html'}" in out
 
 
+@pytest.mark.slow
 def test_runs_table_and_run_page_in_chromium(sweep, server, shots, tmp_path):
     tmp, store, _ = sweep
     import mlflow
@@ -134,6 +135,7 @@ def test_runs_table_and_run_page_in_chromium(sweep, server, shots, tmp_path):
     assert png_size((shots / "runs_table.png").read_bytes()) == (1280, 800)
 
 
+@pytest.mark.slow
 def test_the_printed_runs_table_link_shows_the_swept_values_and_headline_metrics(sweep, server, shots, tmp_path):
     """The sweep prints a link to its runs table in a shared view (MLflow keeps a user's own column
     choice in the browser only). At 1280 px, with no click: one row per cell, unfolded, named by its
@@ -160,6 +162,7 @@ def test_the_printed_runs_table_link_shows_the_swept_values_and_headline_metrics
     assert "excess_risk.noisyhead" not in plain and "lowdim N=40" not in plain
 
 
+@pytest.mark.slow
 def test_report_html_renders_with_its_figures(sweep, shots, tmp_path):
     tmp, _, _ = sweep
     page = tmp / "sweep" / "report.html"
@@ -187,6 +190,7 @@ def dpformer_sweep(sweep):
     return proc
 
 
+@pytest.mark.slow
 def test_the_printed_runs_table_link_of_a_dpformer_sweep(dpformer_sweep, server, shots, tmp_path):
     """The issue saw a DPFormer sweep's rows all named `synthetic_longt...`, alike, with the model column
     off-screen. At 1280 px, with no click: four rows, each named model first with its eps, and the model,

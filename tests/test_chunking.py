@@ -30,6 +30,7 @@ def _per_trial(cfg_for, chunk: int, threads: int, *overrides: str):
     return problem, fits, risks
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("overrides", [(), ("regime.tau=0.5", "attack=perturb", "attack.prompts=3")])
 def test_chunk_size_and_threads_change_no_number(cfg_for, overrides):
     p7, fits7, risks7 = _per_trial(cfg_for, 7, 1, *overrides)

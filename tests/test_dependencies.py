@@ -114,6 +114,7 @@ def test_the_check_catches_an_undeclared_import(tmp_path):
     assert distributions_of("sqlalchemy") == {"sqlalchemy"} and not distributions_of("sqlalchemy") & runtime
 
 
+@pytest.mark.slow
 def test_a_bare_pytest_imports_our_benchmarks_not_opacuss(tmp_path):
     """opacus's wheel installs a top-level ``benchmarks`` package; a bare ``pytest`` (its console
     script: no working directory on sys.path) imported that one for ``benchmarks.seqrec_step``

@@ -102,6 +102,7 @@ print(hashlib.md5(ridge.solve_direct(f, 0.01).numpy().tobytes()).hexdigest())
 """
 
 
+@pytest.mark.slow
 def test_the_ridge_with_an_outlier_gives_the_same_bits_in_every_process():
     """Figure 4's ridge attack risk varied in its 12th significant digit from one rebuild to the next:
     torch's default least-squares driver (gelsy) is not reproducible across processes on 2 threads

@@ -100,6 +100,7 @@ def _ridge_gap(params, C, G, mu, D):
     return torch.linalg.matrix_norm(ridge.solve_direct(first, mu) - ridge.solve_direct(second, mu))
 
 
+@pytest.mark.slow
 def test_output_perturbed_ridge_sensitivity_bound_holds_at_worst_case_neighbours():
     """Search (gradient ascent from many starts) for neighbouring prompt sets that move the
     ridge solution most; the proven bound must hold, and the printed one is exceeded."""
@@ -160,6 +161,7 @@ def test_tight_calibration_meets_the_budget_exactly(T, eps, delta):
     assert privacy.spent_epsilon(multiplier=z, T=T, delta=delta) == pytest.approx(eps, rel=1e-3)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("T", [1, 44])
 def test_tight_multiplier_agrees_with_dp_accountings_own_composition(T):
     """sqrt(T) times the one-release multiplier (the closed form) against dp-accounting's

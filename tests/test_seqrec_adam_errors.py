@@ -81,6 +81,7 @@ def _spread(params, name, rows=None):
     return float(x.var(0, unbiased=True).mean().sqrt())
 
 
+@pytest.mark.slow
 def test_matches_the_spread_of_trainings_that_differ_only_in_their_noise(cfg_for):
     """Issue 20, point 3: under Adam the noise leaves about the same spread in every parameter group,
     whatever sigma; the derived e_T predicts it (block weights and tail items within 10% at eps 1 and 8,
@@ -107,6 +108,7 @@ TINY = ["experiment=dpformer_ci", "model=dpformer", "dataset.n_users=80", "datas
         "seqrec.epochs=2", "model.reattention.errors=adam"]
 
 
+@pytest.mark.slow
 def test_a_run_corrects_for_the_error_its_parameters_carry_at_each_step(cfg_for, monkeypatch):
     from pipeline.seqrec import data
 
@@ -132,6 +134,7 @@ def test_a_run_corrects_for_the_error_its_parameters_carry_at_each_step(cfg_for,
     assert model.item_err[0] == 0 and torch.allclose(model.item_err[1:], torch.tensor(expect[-1], dtype=model.item_err.dtype))
 
 
+@pytest.mark.slow
 def test_a_run_resumed_after_its_last_epoch_still_corrects_with_e_T(cfg_for, tmp_path):
     """The errors are not checkpointed (a buffer and an attribute): a run killed after its last epoch and
     relaunched restores every epoch and must still evaluate with e_T, not as a plain Transformer."""
@@ -147,6 +150,7 @@ def test_a_run_resumed_after_its_last_epoch_still_corrects_with_e_T(cfg_for, tmp
     assert resumed.block_err == pytest.approx(train.adam_errors(cfg, plan)[-1], rel=1e-12) and resumed.active
 
 
+@pytest.mark.slow
 def test_no_histogram_no_eps_share_and_a_name_of_its_own(cfg_for):
     from pipeline import tasks
 

@@ -79,6 +79,7 @@ def test_halved_noise_is_a_violation(setup):
     assert row["verdict"] == "violation" and row["eps_lower"] > row["eps"], row
 
 
+@pytest.mark.slow
 def test_one_branch_norm_lets_the_canary_exceed_C_and_is_a_violation(setup):
     """fastDP's bug (the tied table's norm from the lookup branch only): measured directly, the
     canary's clipped gradient is more than twice C (every user's exceeds C), and the audit proves
@@ -108,6 +109,7 @@ class _FixedSum:
         return torch.zeros(ids.shape[0]), torch.zeros(ids.shape[0])
 
 
+@pytest.mark.slow
 def test_audit_noise_is_the_training_steps_noise(setup):
     """The audit's batched full-vector releases <S + sigma C Z, u> against train.noisy_gradient's own
     noise (times B), projected on the same u: the same distribution (two-sample KS test), mean S.u
@@ -160,6 +162,7 @@ def _cli(tmp_path, *args):
     return proc, store
 
 
+@pytest.mark.slow
 def test_cli_audits_the_engine_and_the_controls(tmp_path):
     """python -m pipeline.audit experiment=dpformer_ci ... controls: one row of audit.csv, one MLflow run
     (kind=audit, FINISHED, verdict tag) and one histogram per variant; at 20,000 runs per batch the
@@ -181,6 +184,7 @@ def test_cli_audits_the_engine_and_the_controls(tmp_path):
     assert dict(zip(runs["tags.method"], runs["tags.verdict"]))["phantom:one_branch"] == "violation"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("override,message", [
     ("audit.seqrec.controls=[nosuch]", "audit.seqrec.controls"),
     ("model=transformer_untied", "one_branch"),

@@ -34,6 +34,7 @@ def _train(cfg, seqs, **kw):
                      validate=lambda m: evaluate.model_metrics(m, seqs.valid_input, seqs.valid_target, k=10, batch=64))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("model", ["transformer", "dpformer"])
 def test_a_stopped_run_resumes_to_the_uninterrupted_numbers(cfg_for, tmp_path, model):
     cfg = cfg_for("experiment=dpformer_ci", f"model={model}", "seqrec.epochs=4", "model.dropout=0.3")
@@ -58,6 +59,7 @@ def test_a_stopped_run_resumes_to_the_uninterrupted_numbers(cfg_for, tmp_path, m
         assert torch.equal(a, b), name
 
 
+@pytest.mark.slow
 def test_a_checkpoint_of_another_config_is_not_resumed(cfg_for, tmp_path):
     cfg = cfg_for("experiment=dpformer_ci", "seqrec.epochs=2")
     seqs = data.load(cfg.dataset, int(cfg.dataset.L), 0)
@@ -95,6 +97,7 @@ def test_a_checkpoint_of_other_data_or_with_a_changed_byte_is_not_resumed(cfg_fo
     assert checkpoint.load(path, key) is not None
 
 
+@pytest.mark.slow
 def test_a_killed_cell_relaunched_into_its_folder_continues(tmp_path):
     """Through the CLI: SIGKILL after the first epoch's checkpoint, the same command again, and the
     results of an uninterrupted run; the checkpoint is gone once the run FINISHED."""
@@ -122,6 +125,7 @@ def test_a_killed_cell_relaunched_into_its_folder_continues(tmp_path):
     assert not (folder / checkpoint.NAME).exists() and not (tmp_path / "whole" / checkpoint.NAME).exists()
 
 
+@pytest.mark.slow
 def test_a_resumed_sweep_removes_the_checkpoint_a_finished_cell_left(tmp_path):
     """A process killed between a cell's FINISHED record and its checkpoint's removal leaves
     checkpoint.pt beside finished results: the resumed sweep claims the cell (no compute) and

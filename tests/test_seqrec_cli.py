@@ -47,17 +47,20 @@ def check_cells(run_cli, expected: set[tuple[str, str]], epochs: int):
     assert all((d / "curves.png").stat().st_size > 1000 for d in sweep.iterdir() if d.is_dir() and (d / "results.csv").exists())
 
 
+@pytest.mark.slow
 def test_every_model_with_phantom(run_cli):
     models = ["transformer", "transformer_untied_half", "gru", "lstm"]  # transformer_untied: next test
     run_cli(*TINY, "seqrec.epochs=2", f"model={','.join(models)}", "clipping=phantom", "-m")
     check_cells(run_cli, {(m, "phantom") for m in models}, epochs=2)
 
 
+@pytest.mark.slow
 def test_every_engine(run_cli):
     run_cli(*TINY, "seqrec.epochs=1", "model=transformer_untied", "clipping=none,per_sample,ghost", "-m")
     check_cells(run_cli, {("transformer_untied", e) for e in ("none", "per_sample", "ghost")}, epochs=1)
 
 
+@pytest.mark.slow
 def test_bad_input_one_error_line_exit_2_no_run(run_cli):
     proc = run_cli(*TINY, "clipping=ghost", expect_ok=False)
     needle = "clipping=ghost with model=transformer"
@@ -69,6 +72,7 @@ def test_bad_input_one_error_line_exit_2_no_run(run_cli):
     assert runs(run_cli.store)[1] == []
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("override", ["clipping.C=inf", "seqrec.lr=inf", "seqrec.weight_decay=inf", "model.init_std=inf"])
 def test_infinite_settings_are_refused_before_anything(run_cli, override):
     proc = run_cli(*TINY, override, expect_ok=False)
@@ -78,6 +82,7 @@ def test_infinite_settings_are_refused_before_anything(run_cli, override):
     assert runs(run_cli.store)[1] == [] and not (run_cli.tmp / "run").exists()
 
 
+@pytest.mark.slow
 def test_training_that_diverges_ends_failed_with_no_results(run_cli):
     """seqrec.lr = 1e10 is a legal number whose training goes to NaN: it stops at the first step whose
     loss or gradient is not finite and says which; the run ends FAILED with the reason as a tag (not
@@ -95,6 +100,7 @@ def test_training_that_diverges_ends_failed_with_no_results(run_cli):
     assert not (run_cli.tmp / "run" / "results.csv").exists()
 
 
+@pytest.mark.slow
 def test_a_diverging_cell_fails_alone_and_the_sweep_goes_on(run_cli):
     """In a sweep, a cell whose training diverges ends FAILED and is named; the other cells run, the
     summary is written from them, and the sweep exits 1 (a SystemExit from the cell once stopped it)."""
@@ -107,12 +113,14 @@ def test_a_diverging_cell_fails_alone_and_the_sweep_goes_on(run_cli):
     assert statuses == ["FAILED", "FINISHED", "FINISHED"], statuses  # the two cells and the sweep's parent run
 
 
+@pytest.mark.slow
 def test_missing_data_file_refused(run_cli):
     proc = run_cli("experiment=dpformer_movielens", "dataset.path=/nonexistent/ratings.dat", expect_ok=False)
     assert proc.returncode == 2 and proc.stderr.count("error:") == 1 and "dataset.path" in proc.stderr
     assert runs(run_cli.store)[1] == []
 
 
+@pytest.mark.slow
 def test_a_bad_cell_stops_the_sweep_before_any_cell_runs(run_cli):
     proc = run_cli(*TINY, "model=transformer,transformer_untied", "clipping=ghost", "-m", expect_ok=False)
     assert proc.returncode == 2 and "clipping=ghost" in proc.stderr
@@ -159,6 +167,7 @@ def test_paper_scale_presets_sweep_the_papers_protocol(cfg_for, preset):
     assert slurm.hydra.launcher.gres == "gpu:1" and slurm.hydra.launcher.array_parallelism == 50
 
 
+@pytest.mark.slow
 def test_presets_validate(cfg_for):
     for preset in ("dpformer_ci", "dpformer_synthetic", "dpformer_amazon"):
         cfg = cfg_for(f"experiment={preset}")
@@ -167,6 +176,7 @@ def test_presets_validate(cfg_for):
             seqconfig.validate(cfg)
 
 
+@pytest.mark.slow
 def test_a_batch_larger_than_the_users_is_named_and_recorded_as_clamped(run_cli):
     """Poisson sampling cannot expect more users than there are: B becomes n_users (q = 1); the run
     says so and its results record the B that ran (not the one asked for)."""

@@ -87,6 +87,7 @@ def setting(seed, distraction, **seqrec):
     return seqs, cfg
 
 
+@pytest.mark.slow
 def test_without_noise_the_noisy_variant_is_the_clean_model():
     seqs, cfg = setting(5, {"eps": [8.0], "noise": ["uniform"], "uniform_std": 1e-12})
     m = model()
@@ -99,6 +100,7 @@ def test_without_noise_the_noisy_variant_is_the_clean_model():
     assert (out[out.variant == "noisy"]["sigma"] > 0).all()
 
 
+@pytest.mark.slow
 def test_adam_noise_is_the_runs_adam_error_at_every_eps_and_the_correction_is_told_it():
     from pipeline.seqrec import train
 
@@ -126,6 +128,7 @@ TINY = ["dataset=synthetic_longtail_tiny", "seqrec.epochs=1", "distraction.draws
         "distraction.eps=[8]", "seqrec.batch_size=32"]
 
 
+@pytest.mark.slow
 def test_the_entry_point_logs_to_mlflow_and_writes_report_dir(tmp_path):
     store = f"sqlite:///{tmp_path / 'mlflow.db'}"
     proc = cli(*TINY, f"mlflow.tracking_uri={store}", f"report.dir={tmp_path / 'report'}",
@@ -144,6 +147,7 @@ def test_the_entry_point_logs_to_mlflow_and_writes_report_dir(tmp_path):
     assert "distraction.paper.eps8.noisy.tail_mass" in run.data.metrics
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("bad,key", [
     ("distraction.draws=1", "distraction.draws"),
     ("distraction.eps=[8,-1]", "distraction.eps[1]"),

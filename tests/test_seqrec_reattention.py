@@ -181,6 +181,7 @@ def _trained_dpformer(cfg_for):
     return model.double().eval(), seqs.train
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("scale", list(SCALES))
 @pytest.mark.parametrize("state", ["init", "trained"])
 def test_every_blocks_logit_variance_against_monte_carlo(state, scale, cfg_for):
@@ -357,6 +358,7 @@ def test_phantom_norms_exact_for_dpformer():
 TINY = ["experiment=dpformer_ci", "model=dpformer", "dataset.n_users=80", "dataset.L=10", "seqrec.batch_size=40"]
 
 
+@pytest.mark.slow
 def test_bad_reattention_settings_are_refused_naming_the_key(cfg_for):
     from pipeline import tasks
     from pipeline.validation import ConfigError
@@ -375,6 +377,7 @@ def test_bad_reattention_settings_are_refused_naming_the_key(cfg_for):
             tasks.validate(cfg_for(*TINY, "model.reattention.presence=private", override))
 
 
+@pytest.mark.slow
 def test_private_presence_noise_and_budget_split(cfg_for):
     from pipeline import privacy
     from pipeline.seqrec import train
@@ -398,6 +401,7 @@ def test_private_presence_noise_and_budget_split(cfg_for):
     assert private.eps_spent == pytest.approx(alone + 0.8) and 7.1 < alone <= 7.2 + 1e-9
 
 
+@pytest.mark.slow
 def test_dpformer_end_to_end_one_epoch(run_cli):
     import pandas as pd
 

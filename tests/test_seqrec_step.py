@@ -71,6 +71,7 @@ def run(*args):
                           text=True)
 
 
+@pytest.mark.slow
 def test_from_json_draws_without_timing_and_rejects_bad_input(tmp_path):
     saved = tmp_path / "rows.json"
     saved.write_text(json.dumps(ROWS))

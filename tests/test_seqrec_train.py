@@ -20,6 +20,7 @@ def run_cfg(eps=8.0, clip="phantom", batch=256, epochs=10, accountant="rdp"):
         "seqrec": {"batch_size": batch, "epochs": epochs, "accountant": accountant}})
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("accountant", ["rdp", "prv"])
 @pytest.mark.parametrize("eps", [5.0, 8.0])
 def test_noise_multiplier_buys_the_target_eps(accountant, eps):

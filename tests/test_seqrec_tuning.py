@@ -112,6 +112,7 @@ def test_a_bad_tuned_file_is_refused_naming_the_key(tmp_path, text):
         tuning.apply(run_cfg(tmp_path / "absent.yaml"))
 
 
+@pytest.mark.slow
 def test_the_cli_runs_each_model_at_its_tuned_setting(run_cli, tmp_path):
     path = tmp_path / "tuned.yaml"
     path.write_text("gru: {lr: 0.02, batch_size: 64}\ntransformer: {lr: 0.004, batch_size: 32}\n")

@@ -45,6 +45,7 @@ def test_nested_shields_defer_to_the_outermost_and_sigterm_stays_terminated():
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
 
 
+@pytest.mark.slow
 def test_ctrl_c_inside_a_store_write_ends_the_run_killed_with_the_write_whole(tmp_path, monkeypatch, ctrl_c):
     """Ctrl-C delivered while a metric write is inside its sqlite transaction (raised from the
     statement itself). Unshielded, this write is lost; in CI the interrupt landed later in such a
@@ -119,6 +120,7 @@ def test_a_step_called_outside_a_run_logs_nothing_and_starts_no_run(tmp_path, mo
     assert not (tmp_path / "mlflow.db").exists() and not (tmp_path / "mlruns").exists()
 
 
+@pytest.mark.slow
 def test_a_single_run_folder_in_use_by_another_process_is_refused(tmp_path):
     """Two copies of one single-run command in one folder: the second is refused (ConfigError naming
     the folder and the holder's pid) instead of marking the first's run FAILED; the lock goes with
