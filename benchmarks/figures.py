@@ -7,8 +7,9 @@
 Each figure runs as a user would run it (``python -m pipeline experiment=... -m``, MLflow
 and plots included) in a child process on ``--device`` (``compute.device``), into a scratch
 MLflow store; printed: the wall time (process start, imports and MLflow included), the sum of
-its cells' own seconds (``metrics.cell.seconds``: the compute), the child's peak resident
-memory, and on a GPU the largest peak device memory of its cells (``compute.peak_memory_gb``).
+its cells' own seconds (``metrics.cell.seconds``: the compute) and the rest per cell (the
+sweep's overhead: process start, composition, validation, MLflow writes, figures), the child's peak
+resident memory, and on a GPU the largest peak device memory of its cells (``compute.peak_memory_gb``).
 The side-by-side part times one Figure-1 cell (N = 1000, eps = 0.2, B = 500) in this process:
 the pipeline's data, fit and evaluate steps on ``--device``, then
 ``benchmarks/baseline_numpy.py``'s plain per-trial loop of the same protocol (NumPy, CPU).
@@ -28,9 +29,9 @@ ROOT = Path(__file__).resolve().parents[1]
 FIGURES = ("fig1_lowdim", "fig2_highdim", "fig3_overparam", "fig4_robustness")
 
 
-def run_figure(name: str, scratch: Path, device: str) -> tuple[float, float, float, float | None]:
-    """Wall seconds, the cells' summed seconds, peak RSS (GB) and peak device memory (GiB; None on the
-    CPU) of one figure's sweep, run as a child process."""
+def run_figure(name: str, scratch: Path, device: str) -> tuple[float, float, int, float, float | None]:
+    """Wall seconds, the cells' summed seconds, the number of cells, peak RSS (GB) and peak device
+    memory (GiB; None on the CPU) of one figure's sweep, run as a child process."""
     store = f"sqlite:///{scratch / name / 'mlflow.db'}"
     cmd = [sys.executable, "-m", "pipeline", f"experiment={name}", f"compute.device={device}",
            f"mlflow.tracking_uri={store}", f"hydra.sweep.dir={scratch / name}", "-m"]
@@ -49,7 +50,7 @@ def run_figure(name: str, scratch: Path, device: str) -> tuple[float, float, flo
     gpu = None
     if not device.startswith("cpu") and cells["params.compute.device"].str.startswith("cuda").any():
         gpu = float(cells["metrics.compute.peak_memory_gb"].max())
-    return seconds, compute, usage.ru_maxrss / 1e6, gpu  # ru_maxrss is in KiB on Linux
+    return seconds, compute, len(cells), usage.ru_maxrss / 1e6, gpu  # ru_maxrss is in KiB on Linux
 
 
 def side_by_side(trials: int, device_spec: str) -> None:
@@ -122,17 +123,23 @@ def main() -> None:
         raise SystemExit(f"error: --device: {err}")
     print(f"device: {dev} ({device.name(dev)})")
     if args.only != "cell":
-        totals = [0.0, 0.0]
+        totals = [0.0, 0.0, 0]
         with tempfile.TemporaryDirectory() as tmp:
-            print(f"{'figure':<16} {'wall time':>10} {'cells':>9} {'peak RSS':>10} {'peak GPU memory':>16}")
+            print(f"{'figure':<16} {'wall time':>10} {'cells':>9} {'n':>4} {'overhead/cell':>14} {'peak RSS':>10} "
+                  f"{'peak GPU memory':>16}")
             for name in FIGURES:
                 (Path(tmp) / name).mkdir()
-                seconds, compute, peak, gpu = run_figure(name, Path(tmp), str(dev))
+                seconds, compute, n, peak, gpu = run_figure(name, Path(tmp), str(dev))
                 totals[0] += seconds
                 totals[1] += compute
+                totals[2] += n
                 shown = f"{gpu:>12.2f} GiB" if gpu is not None else f"{'-':>16}"
-                print(f"{name:<16} {seconds:>9.1f}s {compute:>8.1f}s {peak:>7.2f} GB {shown}", flush=True)
-        print(f"{'total':<16} {totals[0]:>9.1f}s {totals[1]:>8.1f}s")
+                print(f"{name:<16} {seconds:>9.1f}s {compute:>8.1f}s {n:>4} {(seconds - compute) / n:>13.2f}s "
+                      f"{peak:>7.2f} GB {shown}", flush=True)
+        print(f"{'total':<16} {totals[0]:>9.1f}s {totals[1]:>8.1f}s {totals[2]:>4} "
+              f"{(totals[0] - totals[1]) / totals[2]:>13.2f}s")
+        print("(cells: the cells' own seconds, metrics.cell.seconds; overhead/cell: the rest of the wall time,"
+              " process start, composition, validation, MLflow and figures included, per cell)")
     if args.only != "figures":
         side_by_side(args.trials, str(dev))
 

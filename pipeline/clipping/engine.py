@@ -1,0 +1,250 @@
+"""Phantom Clipping for any ``torch.nn.Module``: exact per-example gradient norms, tied weights
+included, and the clipped sum of per-example gradients, without per-example gradients.
+
+    engine = PhantomClipping(model, C=1.0)
+    losses, norms = engine.step(loss_fn, batch)     # p.grad = sum_i c_i g_i, c_i = min(1, C / ||g_i||)
+
+``loss_fn(model, batch)`` returns the (n,) per-example losses (the batch can be any structure). One
+forward pass records every call of every layer that holds a trainable parameter (its input, and its
+output's gradient from one ``autograd.grad`` of the summed losses with respect to the layers'
+outputs: no parameter gradient is formed). Each layer's registered function (``layers.py``) turns a
+call into the per-example gradient it contributes to each of its parameters (``uses.py``). A
+parameter is found by identity wherever it is held: Hugging Face's ``lm_head.weight is
+wte.weight``, an ``nn.Embedding`` and an ``nn.Linear`` sharing one ``Parameter``, a block reused
+across depth. Its per-example squared norm sums the inner products of all its uses, cross terms
+included, so it is that of the sum of the uses' gradients, exactly.
+
+The clipped sum is formed by book-keeping (``sum_by="bookkeeping"``: from the recorded factors,
+weighted by c_i; no second pass) or by a second backward pass of sum_i c_i L_i through the same
+graph (``sum_by="backward"``).
+
+What it cannot see it refuses (``Unsupported``), never computing a smaller norm: a trainable
+parameter held by a layer type without a registered function (``register`` one; a bare
+``nn.Parameter`` of a custom module is such a case), a layer called on a batch of one broadcast over
+the examples (its output's gradient is their sum: Hugging Face's default (1, T) position ids), or a
+parameter that is also used outside its layers' calls (``F.linear(x, self.wte.weight)``). The last is caught by the self-check (``check="first"``,
+the default: on the first step; ``"always"``; ``"never"``): each parameter's per-example norms of
+the first three examples must equal those of one backward pass per example.
+Batch-mixing layers (BatchNorm) have no per-example gradient and are refused.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from pipeline.clipping.layers import lookup
+from pipeline.clipping.uses import Use, inner
+
+RULES = ("classic", "automatic")
+CHECKS = ("first", "always", "never")
+SUM_BY = ("bookkeeping", "backward")
+FORMS = ("auto", "gram", "direct")
+MIXING = (nn.modules.batchnorm._BatchNorm, nn.GroupNorm)  # GroupNorm is per-example, but unregistered: named
+CHECK_RTOL = 1e-3  # the self-check's tolerance on squared norms (float32 sums taken in two orders)
+CHECK_EXAMPLES = 3  # examples of the first batch checked against one backward pass each
+
+
+class Unsupported(TypeError):
+    """The model holds something the engine cannot account for exactly."""
+
+
+def coefficients(norms: torch.Tensor, *, C: float, rule: str = "classic", gamma: float = 0.01) -> torch.Tensor:
+    """Per-example scale c_i with ||c_i g_i|| <= C: ``classic`` (Abadi et al., Opacus) min(1, C /
+    (||g_i|| + 1e-6)); ``automatic`` (Bu et al., DPFormer's choice) C / (||g_i|| + gamma)."""
+    if rule == "automatic":
+        return C / (norms + gamma)
+    if rule == "classic":
+        return (C / (norms + 1e-6)).clamp(max=1.0)
+    raise ValueError(f"unknown clipping rule {rule!r}; known: {RULES}")
+
+
+def _shape(p: nn.Parameter) -> tuple[int, int]:
+    """The (P, Q) a per-example gradient of ``p`` is handled as: a matrix as it is, a vector as (1, Q)."""
+    if p.dim() == 1:
+        return 1, p.numel()
+    return p.shape[0], p.numel() // p.shape[0]
+
+
+class PhantomClipping:
+    """Per-example gradient norms and their clipped sum for ``model`` (see the module's docstring)."""
+
+    def __init__(self, model: nn.Module, C: float, *, rule: str = "classic", gamma: float = 0.01,
+                 sum_by: str = "bookkeeping", form: str = "auto", check: str = "first"):
+        for value, known, key in ((rule, RULES, "rule"), (sum_by, SUM_BY, "sum_by"), (form, FORMS, "form"),
+                                  (check, CHECKS, "check")):
+            if value not in known:
+                raise ValueError(f"{key} {value!r} is unknown; known: {known}")
+        if not C > 0:
+            raise ValueError(f"C must be positive, got {C!r}")
+        self.model, self.C, self.rule, self.gamma = model, float(C), rule, float(gamma)
+        self.sum_by, self.form, self.check = sum_by, form, check
+        self.params = {id(p): (name, p) for name, p in model.named_parameters(remove_duplicate=True) if p.requires_grad}
+        self.layers = self._layers()
+        self._calls: list[tuple[nn.Module, torch.Tensor, torch.Tensor]] = []
+        self._active = False
+        self._checked = False
+        for module in self.layers:
+            module.register_forward_hook(self._record, with_kwargs=True)
+
+    def ties(self) -> dict[str, list[str]]:
+        """Each trainable parameter held by more than one layer, with those layers' names (found by
+        identity: ``{'transformer.wte.weight': ['transformer.wte', 'lm_head']}`` for GPT-2)."""
+        names = {m: name for name, m in self.model.named_modules(remove_duplicate=True)}
+        found = {}
+        for pid, (name, _) in self.params.items():
+            holders = [names[m] for m, ps in self.layers.items() if any(id(p) == pid for p in ps)]
+            if len(holders) > 1:
+                found[name] = holders
+        return found
+
+    def _layers(self) -> dict[nn.Module, list[nn.Parameter]]:
+        """The layers holding the trainable parameters, each of a registered type; Unsupported otherwise."""
+        found: dict[nn.Module, list[nn.Parameter]] = {}
+        for name, module in self.model.named_modules(remove_duplicate=True):
+            own = [(k, p) for k, p in module.named_parameters(recurse=False) if p.requires_grad]
+            if not own:
+                continue
+            if isinstance(module, MIXING) or lookup(module) is None:
+                kind = f"{type(module).__module__}.{type(module).__qualname__}"
+                why = "mixes the examples of a batch" if isinstance(module, MIXING) else "has no registered function"
+                held = [f"{name}.{k}" if name else k for k, _ in own]
+                raise Unsupported(f"layer {name or '(the model)'} ({kind}) {why}, and holds the trainable {held}: "
+                                  "their per-example gradients cannot be accounted for; register a function for "
+                                  "the layer (pipeline.clipping.register), move them into a known layer, or freeze "
+                                  "them (requires_grad=False)")
+            found[module] = [p for _, p in own]
+        return found
+
+    def _record(self, module, args, kwargs, output):
+        if not (self._active and torch.is_grad_enabled()):
+            return
+        if not isinstance(output, torch.Tensor) or not output.requires_grad:
+            return
+        x = args[0] if args else next(iter(kwargs.values()))
+        self._calls.append((module, x.detach(), output))
+
+    # --- the two passes -----------------------------------------------------------------------
+
+    def _uses(self, losses: torch.Tensor, keep_graph: bool) -> dict[int, list[Use]]:
+        """Every recorded call's uses, by parameter id, from one gradient pass to the layers' outputs."""
+        calls, self._calls = self._calls, []
+        if not calls:
+            raise Unsupported("the loss depends on no layer of the model that holds a trainable parameter")
+        grads = torch.autograd.grad(losses.sum(), [out for _, _, out in calls], retain_graph=keep_graph,
+                                    allow_unused=True)
+        n = losses.shape[0]
+        names = {m: name for name, m in self.model.named_modules(remove_duplicate=True)}
+        uses: dict[int, list[Use]] = {}
+        for (module, x, out), g in zip(calls, grads):
+            g = torch.zeros_like(out) if g is None else g
+            if out.shape[0] != n:  # a batch of 1 broadcast over the examples: its gradient is their sum
+                raise Unsupported(f"a call of {names.get(module, type(module).__name__)} has batch size "
+                                  f"{out.shape[0]}, the losses {n}: its output's gradient mixes the examples; give "
+                                  "every layer its inputs batch first, one row per example (Hugging Face models: "
+                                  "pass position_ids of shape (n, T), not the (1, T) they default to)")
+            for p, use in lookup(module)(module, x, g.detach(), n):
+                if p is not None and id(p) in self.params:
+                    uses.setdefault(id(p), []).append(use)
+        return uses
+
+    def _sq_norms(self, uses: dict[int, list[Use]], n: int) -> dict[int, torch.Tensor]:
+        """Each parameter's per-example squared gradient norms, (n,), by parameter id."""
+        per: dict[int, torch.Tensor] = {}
+        for pid, found in uses.items():
+            shape = _shape(self.params[pid][1])
+            sq = 0
+            for a in range(len(found)):
+                sq = sq + inner(found[a], found[a], n, shape, self.form)
+                for b in range(a + 1, len(found)):  # the cross terms of a parameter used twice or more
+                    sq = sq + 2 * inner(found[a], found[b], n, shape, self.form)
+            per[pid] = sq
+        return per
+
+    @staticmethod
+    def _total(per: dict[int, torch.Tensor], losses: torch.Tensor) -> torch.Tensor:
+        total = losses.new_zeros(losses.shape[0]).detach()
+        for sq in per.values():
+            total = total + sq.to(total.dtype)
+        return total.clamp(min=0).sqrt()
+
+    def per_example_norms(self, loss_fn: Callable[[nn.Module, Any], torch.Tensor], batch: Any):
+        """(losses, norms): each (n,), the norms of the whole model's per-example gradients; no
+        parameter gradient is formed or changed."""
+        losses = self._forward(loss_fn, batch)
+        uses = self._uses(losses, keep_graph=False)
+        return losses.detach(), self._total(self._sq_norms(uses, losses.shape[0]), losses)
+
+    def step(self, loss_fn: Callable[[nn.Module, Any], torch.Tensor], batch: Any):
+        """(losses, norms), and every trainable parameter's ``.grad`` set to the clipped sum
+        sum_i c_i g_i (replacing what was there)."""
+        losses = self._forward(loss_fn, batch)
+        checking = self.check == "always" or (self.check == "first" and not self._checked)
+        uses = self._uses(losses, keep_graph=checking or self.sum_by == "backward")
+        n = losses.shape[0]
+        per = self._sq_norms(uses, n)
+        norms = self._total(per, losses)
+        if checking:
+            self._self_check(losses, per)
+            self._checked = True
+        c = coefficients(norms, C=self.C, rule=self.rule, gamma=self.gamma).detach()
+        for _, p in self.params.values():
+            p.grad = None
+        if self.sum_by == "backward":
+            (c.to(losses.dtype) * losses).sum().backward()
+        else:
+            for pid, found in uses.items():
+                p = self.params[pid][1]
+                total = sum(use.weighted_sum(c) for use in found)
+                p.grad = total.reshape(p.shape).to(p.dtype)
+        for _, p in self.params.values():  # a parameter the batch did not reach: a zero gradient
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        return losses.detach(), norms
+
+    def add_noise(self, multiplier: float, generator: torch.Generator | None = None) -> None:
+        """The Gaussian mechanism on the clipped sum: N(0, (multiplier C)^2) added to every ``p.grad``.
+        Each example's clipped gradient has norm at most C (both rules), so adding or removing one
+        example moves the sum by at most C: the sensitivity the multiplier is calibrated for
+        (``pipeline.privacy.dpsgd_noise_multiplier`` under Poisson sampling)."""
+        if not multiplier >= 0:
+            raise ValueError(f"the noise multiplier must be a number >= 0, got {multiplier!r}")
+        for _, p in self.params.values():
+            if p.grad is None:
+                raise RuntimeError("add_noise needs the clipped sum: call step first")
+            noise = torch.randn(p.grad.shape, generator=generator, dtype=p.grad.dtype, device=p.grad.device)
+            p.grad.add_(noise, alpha=multiplier * self.C)
+
+    def _forward(self, loss_fn, batch) -> torch.Tensor:
+        self._calls, self._active = [], True
+        try:
+            losses = loss_fn(self.model, batch)
+        finally:
+            self._active = False
+        if not isinstance(losses, torch.Tensor) or losses.dim() != 1:
+            self._calls = []
+            raise ValueError(f"loss_fn must return the (n,) per-example losses, got "
+                             f"{tuple(losses.shape) if isinstance(losses, torch.Tensor) else type(losses).__name__}")
+        return losses
+
+    def _self_check(self, losses: torch.Tensor, per: dict[int, torch.Tensor]) -> None:
+        """Each parameter's per-example norms against a brute force, one backward pass per example,
+        on the first ``CHECK_EXAMPLES`` examples: a use the engine did not record (a parameter used
+        outside its layers' calls) or a wrong layer function shows as a difference."""
+        names, params = zip(*self.params.values())
+        keep = self.sum_by == "backward"
+        for i in range(min(CHECK_EXAMPLES, losses.shape[0])):
+            truth = torch.autograd.grad(losses[i], params, retain_graph=True if keep or i + 1 < min(
+                CHECK_EXAMPLES, losses.shape[0]) else False, allow_unused=True)
+            for name, p, want in zip(names, params, truth):
+                want_sq = 0.0 if want is None else float(want.double().pow(2).sum())
+                have_sq = float(per[id(p)][i]) if id(p) in per else 0.0
+                scale = max(want_sq, have_sq, 1e-30)
+                if abs(have_sq - want_sq) > CHECK_RTOL * scale:
+                    raise Unsupported(
+                        f"parameter {name}: its per-example gradient norm is not what the engine computed from "
+                        f"the uses it recorded (example {i}: squared norm {have_sq:.6g}, one backward pass gives "
+                        f"{want_sq:.6g}): it is used outside its layers' calls (F.linear(x, weight), h @ E.T, ...), "
+                        "where no hook sees it; use it through its layer, or register the layer that uses it")

@@ -1,0 +1,234 @@
+"""The shared Phantom Clipping engine (pipeline/clipping) against a brute force: one backward pass
+per example, in float64, on models with tied and reused weights (a tied embedding and output layer,
+a layer called twice, Hugging Face's GPT-2), and its refusals of what it cannot see."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pipeline.clipping import PhantomClipping, Unsupported, coefficients
+
+torch.set_default_dtype(torch.float64)  # restored below: the brute force and the engine agree to 1e-10
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _float64():
+    yield
+    torch.set_default_dtype(torch.float32)
+
+
+def brute_force(model, loss_fn, batch):
+    """Per-example gradients, one backward pass each: (losses, {name: (n, *shape)})."""
+    params = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    losses = loss_fn(model, batch)
+    grads = {n: [] for n in params}
+    for i in range(losses.shape[0]):
+        for (n, _), g in zip(params.items(), torch.autograd.grad(losses[i], list(params.values()), retain_graph=True,
+                                                                  allow_unused=True)):
+            grads[n].append(torch.zeros_like(params[n]) if g is None else g)
+    return losses.detach(), {n: torch.stack(g) for n, g in grads.items()}
+
+
+def norms_of(grads) -> torch.Tensor:
+    return torch.stack([g.flatten(1).pow(2).sum(1) for g in grads.values()]).sum(0).sqrt()
+
+
+class TiedLM(nn.Module):
+    """Embedding -> LayerNorm -> Linear (+ the same Linear again: a reused layer) -> output layer tied
+    to the embedding (one Parameter held by an nn.Embedding and an nn.Linear)."""
+
+    def __init__(self, V=11, d=6, padding_idx=0, reuse=True):
+        super().__init__()
+        self.emb = nn.Embedding(V, d, padding_idx=padding_idx)
+        self.norm = nn.LayerNorm(d)
+        self.mid = nn.Linear(d, d)
+        self.out = nn.Linear(d, V, bias=True)
+        self.out.weight = self.emb.weight  # tied
+        self.reuse = reuse
+
+    def forward(self, ids):
+        h = torch.tanh(self.mid(self.norm(self.emb(ids))))
+        if self.reuse:
+            h = torch.tanh(self.mid(h))
+        return self.out(h)
+
+
+def lm_loss(model, batch):
+    ids, targets = batch
+    logits = model(ids)
+    return F.cross_entropy(logits.transpose(1, 2), targets, reduction="none").sum(1)
+
+
+def lm_batch(n=5, T=7, V=11, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, V, (n, T), generator=g)
+    ids[0, :3] = 0  # padding tokens: their lookups get no gradient
+    ids[1] = 4  # one token repeated: every pair of positions hits the same row
+    return ids, torch.randint(1, V, (n, T), generator=g)
+
+
+@pytest.mark.parametrize("form", ["auto", "gram", "direct"])
+@pytest.mark.parametrize("reuse", [False, True])
+def test_tied_and_reused_weights_give_the_brute_force_norms(form, reuse):
+    torch.manual_seed(0)
+    model = TiedLM(reuse=reuse)
+    batch = lm_batch()
+    losses, grads = brute_force(model, lm_loss, batch)
+    engine = PhantomClipping(model, C=1.0, form=form)
+    assert engine.ties() == {"emb.weight": ["emb", "out"]}
+    got_losses, norms = engine.per_example_norms(lm_loss, batch)
+    torch.testing.assert_close(got_losses, losses)
+    torch.testing.assert_close(norms, norms_of(grads), rtol=1e-10, atol=1e-12)
+    # an engine that handled the two uses apart (no cross term) would be off: the same model untied
+    untied = TiedLM(reuse=reuse)
+    untied.load_state_dict(model.state_dict())
+    untied.out.weight = nn.Parameter(model.emb.weight.detach().clone())
+    _, apart = brute_force(untied, lm_loss, batch)
+    assert (norms_of(apart) - norms).abs().max() > 1e-3 * norms.max()
+
+
+@pytest.mark.parametrize("sum_by", ["bookkeeping", "backward"])
+@pytest.mark.parametrize("rule", ["classic", "automatic"])
+def test_the_clipped_sum_is_the_brute_force_sum_of_clipped_gradients(sum_by, rule):
+    torch.manual_seed(1)
+    model = TiedLM()
+    batch = lm_batch(seed=1)
+    _, grads = brute_force(model, lm_loss, batch)
+    C = float(norms_of(grads).median())  # some examples clipped, some not
+    engine = PhantomClipping(model, C=C, rule=rule, sum_by=sum_by)
+    _, norms = engine.step(lm_loss, batch)
+    c = coefficients(norms_of(grads), C=C, rule=rule)
+    assert (c < 1).any() and (rule == "automatic" or (c == 1).any())
+    for name, p in model.named_parameters():
+        want = torch.einsum("n,n...->...", c, grads[name])
+        torch.testing.assert_close(p.grad, want, rtol=1e-9, atol=1e-12)
+    clipped = norms * c
+    assert (clipped <= C * (1 + 1e-9)).all()
+
+
+def test_a_parameter_used_outside_its_layers_is_refused_by_the_self_check():
+    """F.linear(h, emb.weight): the tied output layer without a module. The engine sees only the
+    embedding's use; the first step's self-check finds the gradient it cannot explain."""
+
+    class Functional(TiedLM):
+        def forward(self, ids):
+            return F.linear(torch.tanh(self.mid(self.norm(self.emb(ids)))), self.emb.weight)
+
+    model = Functional()
+    del model.out  # the tied Linear gone: the weight is used functionally only
+    engine = PhantomClipping(model, C=1.0)
+    with pytest.raises(Unsupported, match=r"parameter emb.weight: its per-example gradient norm is not what the engine"):
+        engine.step(lm_loss, lm_batch())
+
+
+def test_unknown_and_batch_mixing_layers_and_loose_parameters_are_refused():
+    with pytest.raises(Unsupported, match=r"layer 1 \(torch.nn.modules.batchnorm.BatchNorm1d\) mixes the examples"):
+        PhantomClipping(nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4)), C=1.0)
+    with pytest.raises(Unsupported, match=r"layer 0 \(torch.nn.modules.conv.Conv2d\) has no registered function"):
+        PhantomClipping(nn.Sequential(nn.Conv2d(1, 2, 3)), C=1.0)
+
+    class Loose(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(3, 3)
+            self.scale = nn.Parameter(torch.ones(3))
+
+    with pytest.raises(Unsupported, match=r"layer \(the model\) \(.*Loose\) has no registered function, and holds "
+                                          r"the trainable \['scale'\]"):
+        PhantomClipping(Loose(), C=1.0)
+    frozen = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4))
+    frozen[1].requires_grad_(False)
+    PhantomClipping(frozen, C=1.0)  # a frozen layer needs no per-example gradient
+    with pytest.raises(ValueError, match="loss_fn must return the"):
+        PhantomClipping(nn.Linear(3, 1), C=1.0).step(lambda m, x: m(x).sum(), torch.ones(2, 3))
+
+
+def test_hugging_face_gpt2_with_tied_embeddings_matches_the_brute_force():
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GPT2Config(vocab_size=23, n_positions=12, n_embd=8, n_layer=2, n_head=2,
+                                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(config).double()
+    assert model.lm_head.weight is model.transformer.wte.weight
+
+    def loss_fn(model, ids, per_example_positions=True):
+        n, T = ids.shape
+        positions = torch.arange(T).expand(n, T) if per_example_positions else None  # GPT-2's default: (1, T)
+        logits = model(input_ids=ids, position_ids=positions).logits[:, :-1]
+        return F.cross_entropy(logits.transpose(1, 2), ids[:, 1:], reduction="none").sum(1)
+
+    ids = torch.randint(0, 23, (4, 9), generator=torch.Generator().manual_seed(3))
+    ids[2] = 5
+    _, grads = brute_force(model, loss_fn, ids)
+    engine = PhantomClipping(model, C=1.0)
+    with pytest.raises(Unsupported, match=r"a call of transformer.wpe has batch size 1, the losses 4"):
+        engine.per_example_norms(lambda m, b: loss_fn(m, b, per_example_positions=False), ids)
+    assert engine.ties() == {"transformer.wte.weight": ["transformer.wte", "lm_head"]}
+    _, norms = engine.per_example_norms(loss_fn, ids)
+    torch.testing.assert_close(norms, norms_of(grads), rtol=1e-9, atol=1e-12)
+    _, stepped = engine.step(loss_fn, ids)  # the self-check passes: every use of every weight was seen
+    torch.testing.assert_close(stepped, norms)
+
+
+def test_a_llama_shaped_model_with_tied_embeddings_matches_the_brute_force():
+    """RMSNorm (Hugging Face's, float32 inside), rotary positions, grouped-query attention, a gated
+    MLP and tie_word_embeddings=True, from a config with random weights."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(vocab_size=29, hidden_size=8, intermediate_size=16, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16,
+                                      tie_word_embeddings=True, bos_token_id=0, eos_token_id=0, pad_token_id=0)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config).double()
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+
+    def loss_fn(model, ids):
+        logits = model(input_ids=ids).logits[:, :-1]
+        return F.cross_entropy(logits.transpose(1, 2), ids[:, 1:], reduction="none").sum(1)
+
+    ids = torch.randint(0, 29, (3, 8), generator=torch.Generator().manual_seed(4))
+    _, grads = brute_force(model, loss_fn, ids)
+    engine = PhantomClipping(model, C=1.0)
+    assert engine.ties() == {"model.embed_tokens.weight": ["model.embed_tokens", "lm_head"]}
+    _, norms = engine.step(loss_fn, ids)
+    torch.testing.assert_close(norms, norms_of(grads), rtol=1e-9, atol=1e-12)
+
+
+def test_a_wrong_layer_function_is_caught_by_the_self_check():
+    """A registered function that drops the bias's use (a bug in a layer function) under-clips: the
+    first step's brute force on three examples names the parameter."""
+    from pipeline.clipping import layers
+
+    class Scaled(nn.Linear):
+        pass
+
+    layers.register(Scaled)(lambda layer, x, g, n: layers.linear(layer, x, g, n)[:1])  # the weight only
+    try:
+        model = nn.Sequential(Scaled(3, 2), nn.Tanh(), nn.Linear(2, 1))
+        engine = PhantomClipping(model, C=1.0)
+        with pytest.raises(Unsupported, match=r"parameter 0.bias: its per-example gradient norm"):
+            engine.step(lambda m, x: m(x).squeeze(-1) ** 2, torch.randn(4, 3))
+    finally:
+        del layers.LAYERS[Scaled]
+
+
+@pytest.mark.slow
+def test_the_documented_example_runs_and_agrees_with_the_brute_force(capsys):
+    pytest.importorskip("transformers")
+    torch.set_default_dtype(torch.float32)  # the example's own dtype
+    try:
+        import runpy
+
+        from conftest import ROOT
+
+        example = runpy.run_path(str(ROOT / "examples" / "clipping_gpt2.py"), run_name="example")
+        found = example["main"](["--steps", "2", "--examples", "16"])
+    finally:
+        torch.set_default_dtype(torch.float64)
+    assert found["ties"] == {"transformer.wte.weight": ["transformer.wte", "lm_head"]}
+    assert found["relative_error"] < 1e-4  # float32
+    assert 0 < found["spent_eps"] <= 8.0 + 1e-6
+    out = capsys.readouterr().out
+    assert "per-example norms" in out and "spent eps" in out
