@@ -232,3 +232,19 @@ def test_the_documented_example_runs_and_agrees_with_the_brute_force(capsys):
     assert 0 < found["spent_eps"] <= 8.0 + 1e-6
     out = capsys.readouterr().out
     assert "per-example norms" in out and "spent eps" in out
+
+
+@pytest.mark.slow
+def test_the_clipping_benchmark_prints_and_writes_each_engine(tmp_path, capsys):
+    """benchmarks/clipping.py at a toy size: every engine runs in its own process and gets its ratios
+    to the non-private step (Opacus's ghost on the untied model, its hooks with the tie)."""
+    import json
+
+    from benchmarks import clipping
+
+    rows = clipping.main(["--V", "64", "--B", "3", "--T", "5", "--d", "8", "--layers", "1", "--repeats", "1",
+                          "--json", str(tmp_path / "rows.json")])
+    assert [r["engine"] for r in rows] == list(clipping.ENGINES) and all("error" not in r for r in rows), rows
+    assert rows[0]["time_ratio"] == 1.0 and all(r["seconds"] > 0 for r in rows)
+    assert json.loads((tmp_path / "rows.json").read_text()) == rows
+    assert "phantom-backward" in capsys.readouterr().out

@@ -1,0 +1,208 @@
+"""Time and peak memory of one DP-SGD step with each clipping engine, on a GPT-2-shaped model with a
+tied embedding, against the non-private step of the same model in the same process.
+
+    python -m benchmarks.clipping                              # V = 8k, 32k, 128k x B = 8, 32 on the CPU
+    python -m benchmarks.clipping --V 32000 --B 16 --json out.json
+    python -m benchmarks.clipping --device cuda                # the same on a GPU
+
+The model: token and position embeddings, ``--layers`` pre-LayerNorm blocks (causal attention with
+its query/key/value and output projections, a 4d MLP), a final LayerNorm and an output layer tied to
+the token embedding (GPT-2's shape, built from nn modules so that every engine supports it).
+Engines: ``non-private`` (one backward of the summed loss), ``phantom`` and ``phantom-backward``
+(``pipeline.clipping``, the clipped sum by book-keeping or by a second backward pass), ``opacus-hooks``
+(Opacus's per-example gradients, the tie kept: B x V x d floats for the table alone) and
+``opacus-ghost`` (Opacus's ghost clipping on the untied model: it refuses the tie). Each is timed
+over ``--repeats`` steps after one warm-up step (median); peak memory is the GPU's peak allocated
+memory on CUDA, and on the CPU the step's growth of the resident set over the process's size before
+it (``ru_maxrss``: cells are run in a fresh process each, so one engine's peak does not hide the
+next's). Printed: a table with each engine's ratios to non-private; ``--json``: every row.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import warnings
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+warnings.filterwarnings("ignore", message="Full backward hook is firing")  # Opacus's hooks on id-fed layers
+ENGINES = ("non-private", "phantom", "phantom-backward", "opacus-hooks", "opacus-ghost")
+
+
+def build(V: int, d: int, layers: int, T: int, tied: bool):
+    import torch
+    from torch import nn
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
+            self.qkv, self.proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
+            self.fc, self.out = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
+
+        def forward(self, h):
+            q, k, v = self.qkv(self.ln1(h)).chunk(3, -1)
+            mask = torch.ones(h.shape[1], h.shape[1], dtype=torch.bool, device=h.device).tril()
+            att = (q @ k.transpose(1, 2) / d ** 0.5).masked_fill(~mask, float("-inf")).softmax(-1)
+            h = h + self.proj(att @ v)
+            return h + self.out(torch.nn.functional.gelu(self.fc(self.ln2(h))))
+
+    class GPT(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.wte, self.wpe = nn.Embedding(V, d), nn.Embedding(T, d)
+            self.blocks = nn.ModuleList(Block() for _ in range(layers))
+            self.ln_f = nn.LayerNorm(d)
+            self.head = nn.Linear(d, V, bias=False)
+            if tied:
+                self.head.weight = self.wte.weight
+
+        def forward(self, ids):
+            n, t = ids.shape
+            positions = torch.arange(t, device=ids.device).expand(n, t).contiguous()  # Opacus's ghost views them
+            h = self.wte(ids.contiguous()) + self.wpe(positions)
+            for block in self.blocks:
+                h = block(h)
+            return self.head(self.ln_f(h))
+
+    return GPT()
+
+
+def cell(engine: str, V: int, B: int, d: int, layers: int, T: int, repeats: int, device: str) -> dict:
+    """One engine at one (V, B), in this process: median seconds per step and peak memory (GiB)."""
+    import torch
+    import torch.nn.functional as F
+
+    torch.manual_seed(0)
+    dev = torch.device(device)
+    model = build(V, d, layers, T, tied=engine != "opacus-ghost").to(dev)
+    ids = torch.randint(0, V, (B, T + 1), device=dev)
+
+    def per_example(m, batch):
+        logits = m(batch[:, :-1])
+        return F.cross_entropy(logits.transpose(1, 2), batch[:, 1:], reduction="none").sum(1)
+
+    if engine == "non-private":
+        def step():
+            model.zero_grad(set_to_none=True)
+            per_example(model, ids).sum().backward()
+    elif engine.startswith("phantom"):
+        from pipeline.clipping import PhantomClipping
+
+        clip = PhantomClipping(model, C=1.0, sum_by="backward" if engine == "phantom-backward" else "bookkeeping",
+                               check="never")
+
+        def step():
+            clip.step(per_example, ids)
+    else:
+        from opacus import GradSampleModule
+        from opacus.grad_sample import GradSampleModuleFastGradientClipping
+
+        if engine == "opacus-hooks":
+            wrapped = GradSampleModule(model)
+
+            def step():
+                wrapped.zero_grad(set_to_none=True)
+                for p in wrapped.parameters():
+                    p.grad_sample = None
+                per_example(wrapped, ids).sum().backward()
+                norms = torch.stack([p.grad_sample.flatten(1).norm(dim=1) for p in wrapped.parameters()
+                                     if p.grad_sample is not None]).norm(dim=0)
+                c = (1.0 / (norms + 1e-6)).clamp(max=1.0)
+                for p in wrapped.parameters():
+                    if p.grad_sample is not None:
+                        p.grad = torch.einsum("n,n...->...", c, p.grad_sample)
+        else:
+            wrapped = GradSampleModuleFastGradientClipping(model, batch_first=True, loss_reduction="sum",
+                                                           max_grad_norm=1.0, use_ghost_clipping=True)
+
+            def step():  # as pipeline/seqrec/clipping/ghost.py: norms by hooks, then the re-weighted backward
+                wrapped.zero_grad(set_to_none=True)
+                losses = per_example(wrapped, ids)
+                losses.sum().backward(retain_graph=True)
+                c = (1.0 / (wrapped.get_norm_sample().detach() + 1e-6)).clamp(max=1.0)
+                wrapped.zero_grad(set_to_none=True)
+                wrapped.disable_hooks()
+                try:
+                    (c * losses).sum().backward()
+                finally:
+                    wrapped.enable_hooks()
+
+    def sync():
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    if dev.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(dev)
+    step()  # warm-up
+    sync()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        step()
+        sync()
+        times.append(time.perf_counter() - start)
+    if dev.type == "cuda":
+        peak = torch.cuda.max_memory_allocated(dev) / 2**30
+    else:
+        peak = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 2**20  # KiB on Linux
+    return {"engine": engine, "V": V, "B": B, "d": d, "layers": layers, "T": T, "seconds": statistics.median(times),
+            "peak_gib": peak, "device": device, "threads": torch.get_num_threads()}
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--V", type=int, nargs="+", default=[8192, 32768, 131072])
+    parser.add_argument("--B", type=int, nargs="+", default=[8, 32])
+    parser.add_argument("--d", type=int, default=128)
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--T", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--engines", nargs="+", default=list(ENGINES), choices=ENGINES)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--json", type=Path, help="write every row here")
+    parser.add_argument("--cell", nargs=2, metavar=("ENGINE", "V,B"), help=argparse.SUPPRESS)  # a child's one cell
+    args = parser.parse_args(argv)
+    if args.cell:
+        V, B = (int(x) for x in args.cell[1].split(","))
+        print(json.dumps(cell(args.cell[0], V, B, args.d, args.layers, args.T, args.repeats, args.device)))
+        return []
+    rows = []
+    print(f"{'V':>7} {'B':>3} {'engine':<17} {'s/step':>8} {'x time':>7} {'peak GiB':>9} {'x memory':>9}")
+    for V in args.V:
+        for B in args.B:
+            base = None
+            for engine in args.engines:
+                cmd = [sys.executable, "-m", "benchmarks.clipping", "--cell", engine, f"{V},{B}", "--d", str(args.d),
+                       "--layers", str(args.layers), "--T", str(args.T), "--repeats", str(args.repeats),
+                       "--device", args.device]
+                proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=dict(os.environ))
+                if proc.returncode != 0:
+                    reason = (proc.stderr.strip().splitlines() or ["failed"])[-1][:80]
+                    print(f"{V:>7} {B:>3} {engine:<17} failed: {reason}", flush=True)
+                    rows.append({"engine": engine, "V": V, "B": B, "error": reason})
+                    continue
+                row = json.loads(proc.stdout.strip().splitlines()[-1])
+                base = row if engine == "non-private" else base
+                ratio_t = row["seconds"] / base["seconds"] if base else None
+                ratio_m = row["peak_gib"] / base["peak_gib"] if base and base["peak_gib"] > 0 else None  # JSON: null
+                row.update(time_ratio=ratio_t, memory_ratio=ratio_m)
+                rows.append(row)
+                shown = [f"{r:>6.2f}x" if r is not None else f"{'-':>7}" for r in (ratio_t, ratio_m)]
+                print(f"{V:>7} {B:>3} {engine:<17} {row['seconds']:>8.3f} {shown[0]} {row['peak_gib']:>9.3f} "
+                      f"{shown[1]:>9}", flush=True)
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=1))
+    return rows
+
+
+if __name__ == "__main__":
+    main()
