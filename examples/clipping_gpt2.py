@@ -61,14 +61,17 @@ def main(argv: list[str] | None = None) -> dict:
     model.train()
     for step in range(args.steps):
         batch = data[torch.rand(len(data)) < q]                   # 4. a Poisson sample of the examples
-        if len(batch) == 0:
-            continue
-        losses, norms = engine.step(loss_fn, batch)               # 5. p.grad = sum_i min(1, C/||g_i||) g_i
+        if len(batch) == 0:  # an empty sample still releases a noisy (zero) sum: the accountant counts every step
+            for p in model.parameters():
+                p.grad = torch.zeros_like(p)
+            losses, norms = torch.zeros(0), torch.zeros(0)
+        else:
+            losses, norms = engine.step(loss_fn, batch)           # 5. p.grad = sum_i min(1, C/||g_i||) g_i
         engine.add_noise(sigma)                                   #    + N(0, (sigma C)^2)
         for p in model.parameters():
             p.grad /= q * len(data)                               #    the expected batch size
         optimizer.step()
-        print(f"step {step}: {len(batch)} examples, mean loss {float(losses.mean()):.3f}, "
+        print(f"step {step}: {len(batch)} examples, mean loss {float(losses.mean()) if len(losses) else 0:.3f}, "
               f"{int((norms > engine.C).sum())} clipped")
     spent = privacy.dpsgd_spent_epsilon(sigma=sigma, delta=delta, sample_rate=q, steps=args.steps, accountant="prv")
     print(f"spent eps = {spent:.3f} at delta = {delta:g}")

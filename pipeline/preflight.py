@@ -266,17 +266,17 @@ def _sqlite_store(uri: str, key: str, cfg: DictConfig) -> None:
                               f"{str(path)!r} ({err.strerror or err})") from None
         try:
             wait = float(cfg.mlflow.connect_timeout)  # checked by tracking_store
-            db = sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=wait)
+            db = sqlite3.connect(f"{path.absolute().as_uri()}?mode=ro", uri=True, timeout=wait)  # %, # escaped
             try:
                 row = db.execute("SELECT artifact_location, lifecycle_stage, experiment_id FROM experiments "
                                  "WHERE name = ?", (str(cfg.mlflow.experiment),)).fetchone()
             finally:
                 db.close()
         except sqlite3.OperationalError as err:
-            if "no such table" not in str(err):  # "database is locked": another process holds it
+            if "locked" in str(err) or "busy" in str(err):  # another process holds it
                 raise ConfigError(f"{key} = {uri!r}: the store cannot be read ({err}; waited {wait:g} s, "
                                   "mlflow.connect_timeout): is another process holding it?") from None
-            row = None  # a fresh store without tables yet
+            row = None  # a fresh store without tables yet ("no such table")
         except sqlite3.DatabaseError as err:
             raise ConfigError(f"{key} = {uri!r}: {str(path)!r} is not an MLflow database ({err})") from None
         if row and row[1] == "deleted":

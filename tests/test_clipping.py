@@ -197,14 +197,20 @@ def test_a_llama_shaped_model_with_tied_embeddings_matches_the_brute_force():
 
 
 def test_a_wrong_layer_function_is_caught_by_the_self_check():
-    """A registered function that drops the bias's use (a bug in a layer function) under-clips: the
-    first step's brute force on three examples names the parameter."""
+    """A registered function that halves the bias's gradient (a bug in a layer function) under-clips:
+    the first step's brute force on three examples names the parameter. (One that leaves the bias out
+    is refused before that, by the structural check.)"""
     from pipeline.clipping import layers
+    from pipeline.clipping.uses import Outer
 
     class Scaled(nn.Linear):
         pass
 
-    layers.register(Scaled)(lambda layer, x, g, n: layers.linear(layer, x, g, n)[:1])  # the weight only
+    def halved_bias(layer, x, g, n):
+        (w, weight), (b, bias) = layers.linear(layer, x, g, n)
+        return [(w, weight), (b, Outer(left=bias.left, right=bias.right / 2, rows=1))]
+
+    layers.register(Scaled)(halved_bias)
     try:
         model = nn.Sequential(Scaled(3, 2), nn.Tanh(), nn.Linear(2, 1))
         engine = PhantomClipping(model, C=1.0)
@@ -248,3 +254,57 @@ def test_the_clipping_benchmark_prints_and_writes_each_engine(tmp_path, capsys):
     assert rows[0]["time_ratio"] == 1.0 and all(r["seconds"] > 0 for r in rows)
     assert json.loads((tmp_path / "rows.json").read_text()) == rows
     assert "phantom-backward" in capsys.readouterr().out
+
+
+def test_what_would_silently_shrink_a_norm_is_refused():
+    """Found by review: each case gave norms below the truth with the self-check off."""
+    x = torch.randn(4, 3)
+
+    class InPlace(nn.Module):  # the recorded output changed after the call
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(3, 3), nn.Linear(3, 1)
+
+        def forward(self, x):
+            h = self.a(x)
+            h.mul_(10)
+            return self.b(h)
+
+    with pytest.raises(Unsupported, match=r"the input or output of a was changed in place"):
+        PhantomClipping(InPlace(), C=1.0, check="never").step(lambda m, b: m(b).squeeze(-1), x)
+
+    model = nn.Sequential(nn.Linear(3, 3), nn.Tanh(), nn.Linear(3, 1))
+    model[0].requires_grad_(False)
+    engine = PhantomClipping(model, C=1.0, check="never")
+    model[0].requires_grad_(True)  # unfrozen after the engine was made
+    with pytest.raises(Unsupported, match=r"trainable parameters changed since the engine was made"):
+        engine.step(lambda m, b: m(b).squeeze(-1), x)
+
+    normed = nn.Sequential(torch.nn.utils.weight_norm(nn.Linear(3, 1)))  # weight_g, weight_v: no function gives them
+    with pytest.raises(Unsupported, match=r"gives no per-example gradient for its trainable \['0.weight_(g|v)'"):
+        PhantomClipping(normed, C=1.0, check="never").step(lambda m, b: m(b).squeeze(-1), x)
+
+    with pytest.raises(Unsupported, match=r"scale_grad_by_freq=True"):
+        PhantomClipping(nn.Embedding(5, 2, scale_grad_by_freq=True), C=1.0)
+    for bad in ({"C": float("inf")}, {"C": 1.0, "rule": "automatic", "gamma": 0.0}):
+        with pytest.raises(ValueError):
+            PhantomClipping(nn.Linear(3, 1), **bad)
+
+
+def test_half_precision_factors_are_summed_in_float32():
+    """bfloat16 activations (autocast): the norms come from float32 factors, within bfloat16's own
+    rounding of the factors of the float64 truth, and the book-keeping sum runs (it crashed on the
+    mixed dtypes autocast leaves)."""
+    torch.manual_seed(2)
+    model = TiedLM(reuse=False).float()
+    batch = lm_batch(n=6)
+    _, grads = brute_force(model, lambda m, b: lm_loss(m, b).float(), batch)
+    engine = PhantomClipping(model, C=1.0, check="never")
+
+    def autocast_loss(m, b):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return lm_loss(m, b).float()
+
+    _, norms = engine.step(autocast_loss, batch)
+    assert norms.dtype == torch.float32 and torch.isfinite(norms).all()
+    torch.testing.assert_close(norms.double(), norms_of(grads).double(), rtol=0.05, atol=0)

@@ -171,3 +171,8 @@ def test_a_locked_store_is_refused_not_read_as_a_fresh_one(tmp_path, cfg_for):
     finally:
         holder.close()
     preflight.tracking_store(cfg)  # released: a store without runs yet, accepted
+    odd = tmp_path / "p%20q #1"  # characters a file: URI must escape (review: this store was refused)
+    odd.mkdir()
+    (odd / "mlflow.db").write_bytes(db.read_bytes())
+    cfg.mlflow.tracking_uri = f"sqlite:///{odd / 'mlflow.db'}"
+    preflight.tracking_store(cfg)

@@ -294,3 +294,4 @@ def test_the_cell_count_is_computed_without_listing_the_cells():
     assert count("seed=range(1,10,4)", "privacy.eps=0.5", "trials=3") == 3  # 1, 5, 9
     assert count("seed=range(5,5)") == 0 and count("trials=3") == 1
     assert count("lr=range(0.1,1.0,0.3)") == len([0.1, 0.4, 0.7])
+    assert count("lr=interval(0,1)", "seed=1,2") == 2  # left to split_arguments, which refuses it as before

@@ -71,13 +71,13 @@ def cell_count(overrides) -> int:
     values = {}
     for override in overrides:
         value = override.value()
-        if not override.is_sweep_override():
-            n = 1
+        if not override.is_sweep_override() or not override.is_discrete_sweep():
+            n = 1  # an interval (an optimizer's sweep): split_arguments refuses it, as before
         elif isinstance(value, ChoiceSweep):
             n = len(value.list)
         elif isinstance(value, RangeSweep) and value.step:
             n = max(0, math.ceil((value.stop - value.start) / value.step))
-        else:  # glob or an interval: as Hydra lists it
+        else:  # glob: as Hydra lists it
             n = len(list(override.sweep_string_iterator()))
         values[override.get_key_element()] = n
     return math.prod(values.values())

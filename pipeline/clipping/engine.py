@@ -61,6 +61,12 @@ def coefficients(norms: torch.Tensor, *, C: float, rule: str = "classic", gamma:
     raise ValueError(f"unknown clipping rule {rule!r}; known: {RULES}")
 
 
+def _wide(t: torch.Tensor) -> torch.Tensor:
+    """Half-precision factors in float32: squared norms in float16 overflow (c = 0) and in bfloat16
+    come out below the truth; under autocast a layer's input and output differ in dtype."""
+    return t.float() if t.is_floating_point() and t.dtype in (torch.float16, torch.bfloat16) else t
+
+
 def _shape(p: nn.Parameter) -> tuple[int, int]:
     """The (P, Q) a per-example gradient of ``p`` is handled as: a matrix as it is, a vector as (1, Q)."""
     if p.dim() == 1:
@@ -77,8 +83,10 @@ class PhantomClipping:
                                   (check, CHECKS, "check")):
             if value not in known:
                 raise ValueError(f"{key} {value!r} is unknown; known: {known}")
-        if not C > 0:
-            raise ValueError(f"C must be positive, got {C!r}")
+        if not 0 < C < float("inf"):
+            raise ValueError(f"C must be a positive finite number, got {C!r}")
+        if rule == "automatic" and not 0 < gamma < float("inf"):
+            raise ValueError(f"gamma must be a positive finite number for the automatic rule, got {gamma!r}")
         self.model, self.C, self.rule, self.gamma = model, float(C), rule, float(gamma)
         self.sum_by, self.form, self.check = sum_by, form, check
         self.params = {id(p): (name, p) for name, p in model.named_parameters(remove_duplicate=True) if p.requires_grad}
@@ -115,6 +123,9 @@ class PhantomClipping:
                                   "their per-example gradients cannot be accounted for; register a function for "
                                   "the layer (pipeline.clipping.register), move them into a known layer, or freeze "
                                   "them (requires_grad=False)")
+            if isinstance(module, nn.Embedding) and module.scale_grad_by_freq:
+                raise Unsupported(f"layer {name} (nn.Embedding) has scale_grad_by_freq=True: each example's gradient "
+                                  "is scaled by the counts of the whole batch, so it is no per-example gradient")
             found[module] = [p for _, p in own]
         return found
 
@@ -124,7 +135,9 @@ class PhantomClipping:
         if not isinstance(output, torch.Tensor) or not output.requires_grad:
             return
         x = args[0] if args else next(iter(kwargs.values()))
-        self._calls.append((module, x.detach(), output))
+        # their version counters: an in-place change after the call (ReLU(inplace=True) on the output,
+        # out.mul_(10)) would make the recorded tensors other than the ones the gradient flowed through
+        self._calls.append((module, x.detach(), output, (x._version, output._version)))
 
     # --- the two passes -----------------------------------------------------------------------
 
@@ -133,19 +146,31 @@ class PhantomClipping:
         calls, self._calls = self._calls, []
         if not calls:
             raise Unsupported("the loss depends on no layer of the model that holds a trainable parameter")
-        grads = torch.autograd.grad(losses.sum(), [out for _, _, out in calls], retain_graph=keep_graph,
+        names = {m: name for name, m in self.model.named_modules(remove_duplicate=True)}
+        for module, x, out, versions in calls:
+            if (x._version, out._version) != versions:
+                raise Unsupported(f"the input or output of {names.get(module, type(module).__name__)} was changed in "
+                                  "place after the call (an inplace activation, x.mul_(...)): the engine would read "
+                                  "other values than the gradient flowed through; make that operation out of place")
+        grads = torch.autograd.grad(losses.sum(), [out for _, _, out, _ in calls], retain_graph=keep_graph,
                                     allow_unused=True)
         n = losses.shape[0]
-        names = {m: name for name, m in self.model.named_modules(remove_duplicate=True)}
         uses: dict[int, list[Use]] = {}
-        for (module, x, out), g in zip(calls, grads):
+        for (module, x, out, _), g in zip(calls, grads):
             g = torch.zeros_like(out) if g is None else g
             if out.shape[0] != n:  # a batch of 1 broadcast over the examples: its gradient is their sum
                 raise Unsupported(f"a call of {names.get(module, type(module).__name__)} has batch size "
                                   f"{out.shape[0]}, the losses {n}: its output's gradient mixes the examples; give "
                                   "every layer its inputs batch first, one row per example (Hugging Face models: "
                                   "pass position_ids of shape (n, T), not the (1, T) they default to)")
-            for p, use in lookup(module)(module, x, g.detach(), n):
+            given = lookup(module)(module, _wide(x), _wide(g.detach()), n)
+            missing = {id(p) for p in self.layers[module]} - {id(p) for p, _ in given if p is not None}
+            if missing:  # a layer function that leaves out a parameter would count it as zero
+                left = [self.params[pid][0] for pid in missing if pid in self.params]
+                raise Unsupported(f"the function registered for {names.get(module, type(module).__name__)} gives no "
+                                  f"per-example gradient for its trainable {left} (a parametrisation such as "
+                                  "weight_norm?): register one that gives every parameter the layer holds")
+            for p, use in given:
                 if p is not None and id(p) in self.params:
                     uses.setdefault(id(p), []).append(use)
         return uses
@@ -165,7 +190,8 @@ class PhantomClipping:
 
     @staticmethod
     def _total(per: dict[int, torch.Tensor], losses: torch.Tensor) -> torch.Tensor:
-        total = losses.new_zeros(losses.shape[0]).detach()
+        total = torch.zeros(losses.shape[0], device=losses.device,
+                            dtype=torch.float64 if losses.dtype == torch.float64 else torch.float32)
         for sq in per.values():
             total = total + sq.to(total.dtype)
         return total.clamp(min=0).sqrt()
@@ -209,8 +235,8 @@ class PhantomClipping:
         Each example's clipped gradient has norm at most C (both rules), so adding or removing one
         example moves the sum by at most C: the sensitivity the multiplier is calibrated for
         (``pipeline.privacy.dpsgd_noise_multiplier`` under Poisson sampling)."""
-        if not multiplier >= 0:
-            raise ValueError(f"the noise multiplier must be a number >= 0, got {multiplier!r}")
+        if not 0 <= multiplier < float("inf"):
+            raise ValueError(f"the noise multiplier must be a finite number >= 0, got {multiplier!r}")
         for _, p in self.params.values():
             if p.grad is None:
                 raise RuntimeError("add_noise needs the clipped sum: call step first")
@@ -218,6 +244,10 @@ class PhantomClipping:
             p.grad.add_(noise, alpha=multiplier * self.C)
 
     def _forward(self, loss_fn, batch) -> torch.Tensor:
+        now = {id(p) for p in self.model.parameters() if p.requires_grad}
+        if now != set(self.params):  # unfrozen, frozen, resized or re-tied since the engine was made
+            raise Unsupported("the model's trainable parameters changed since the engine was made (a layer "
+                              "unfrozen or frozen, an embedding resized or re-tied): make a new PhantomClipping")
         self._calls, self._active = [], True
         try:
             losses = loss_fn(self.model, batch)

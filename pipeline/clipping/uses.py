@@ -49,7 +49,7 @@ class Outer:
         """sum_i c_i G_i, (P, Q): the clipped sum by book-keeping (no second backward pass)."""
         right = (c.to(self.right.dtype).view(-1, 1, 1) * self.right).reshape(-1, self.right.shape[-1])
         if not self.index:
-            return self.left.reshape(-1, self.rows).transpose(0, 1) @ right
+            return self.left.reshape(-1, self.rows).transpose(0, 1).to(right.dtype) @ right
         out = right.new_zeros(self.rows, right.shape[-1])
         return out.index_add_(0, self.left.reshape(-1), right)
 
