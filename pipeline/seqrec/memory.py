@@ -48,9 +48,9 @@ def sizes(ds: DictConfig) -> tuple[int, int]:
 
 def parameters(m: DictConfig, M: int, L: int) -> int:
     d = int(m.d)
-    tables = (M + 1) * d * (1 if m.tied else 2) + L * d
+    tables = (M + 1) * d + (0 if m.tied else M * d) + L * d  # items with the padding row, an untied output, positions
     if m.arch == "transformer":
-        return tables + int(m.blocks) * (4 * d * d + 2 * d * int(m.d_ff) + 9 * d)
+        return tables + int(m.blocks) * (4 * d * d + 2 * d * int(m.d_ff) + 9 * d + int(m.d_ff))  # ff1's bias: d_ff
     return tables + int(m.layers) * 4 * 3 * d * d  # a GRU's or LSTM's gates, generously
 
 
