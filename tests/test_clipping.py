@@ -11,13 +11,14 @@ from torch import nn
 
 from pipeline.clipping import PhantomClipping, Unsupported, coefficients
 
-torch.set_default_dtype(torch.float64)  # restored below: the brute force and the engine agree to 1e-10
-
-
 @pytest.fixture(autouse=True, scope="module")
 def _float64():
+    """This module's tests in float64 (the brute force and the engine agree to 1e-10), set here and
+    restored after them, not at import: collection imports every test module before any test runs."""
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
     yield
-    torch.set_default_dtype(torch.float32)
+    torch.set_default_dtype(before)
 
 
 def brute_force(model, loss_fn, batch):
