@@ -15,7 +15,8 @@ import string
 from pathlib import Path
 from typing import Sequence
 
-from pipeline.tasks import CONF, conf_dirs
+from pipeline.overrides import ROOTS
+from pipeline.tasks import CONF
 
 FLAGS = ("--help", "-h")
 
@@ -42,7 +43,7 @@ def _groups(root: Path, prefix: str = "") -> dict[str, set[str]]:
 def app_groups() -> str:
     """Hydra's ``$APP_CONFIG_GROUPS``: one line per group of the search path, ``group: a, b, c``."""
     merged: dict[str, set[str]] = {}
-    for root in (CONF, *conf_dirs()):
+    for root in ROOTS:  # conf/, then each task's conf/<task>/ (Hydra's search path)
         for group, options in _groups(root).items():
             merged.setdefault(group, set()).update(options)
     return "".join(f"{g}: {', '.join(sorted(merged[g]))}\n" for g in sorted(merged) if not g.startswith("hydra"))

@@ -91,6 +91,7 @@ class PhantomClipping:
         self.sum_by, self.form, self.check = sum_by, form, check
         self.params = {id(p): (name, p) for name, p in model.named_parameters(remove_duplicate=True) if p.requires_grad}
         self.layers = self._layers()
+        self._names = {m: name for name, m in model.named_modules(remove_duplicate=True)}  # for messages
         self._calls: list[tuple[nn.Module, torch.Tensor, torch.Tensor]] = []
         self._active = False
         self._checked = False
@@ -100,7 +101,7 @@ class PhantomClipping:
     def ties(self) -> dict[str, list[str]]:
         """Each trainable parameter held by more than one layer, with those layers' names (found by
         identity: ``{'transformer.wte.weight': ['transformer.wte', 'lm_head']}`` for GPT-2)."""
-        names = {m: name for name, m in self.model.named_modules(remove_duplicate=True)}
+        names = self._names
         found = {}
         for pid, (name, _) in self.params.items():
             holders = [names[m] for m, ps in self.layers.items() if any(id(p) == pid for p in ps)]
@@ -146,7 +147,7 @@ class PhantomClipping:
         calls, self._calls = self._calls, []
         if not calls:
             raise Unsupported("the loss depends on no layer of the model that holds a trainable parameter")
-        names = {m: name for name, m in self.model.named_modules(remove_duplicate=True)}
+        names = self._names
         for module, x, out, versions in calls:
             if (x._version, out._version) != versions:
                 raise Unsupported(f"the input or output of {names.get(module, type(module).__name__)} was changed in "
