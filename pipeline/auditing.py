@@ -27,6 +27,23 @@ held-out run count n alone:
 
 What each task audits (its neighbouring inputs, mechanism and statistic) is its ``audit`` module:
 ``pipeline/noisyhead/audit.py``, ``pipeline/seqrec/audit.py``.
+
+**One training run** (``one_run``; Steinke, Nasr and Jagielski, NeurIPS 2023, arXiv:2305.08846;
+Mahloujifar, Melis and Chaudhuri, arXiv:2410.22235). m canaries, each included in the training
+independently with probability 1/2; after training each gets a score (higher: more likely
+included). The auditor guesses "in" for the ``k_plus`` highest scores and "out" for the ``k_minus``
+lowest, abstaining on the rest, and counts its correct guesses v among k = k_plus + k_minus. Under
+(eps, delta)-DP, v is stochastically below Binomial(k, e^eps / (1 + e^eps)) up to a term in
+2 m delta (their Theorem 5.2 and Proposition 5.7: ``one_run_p_value``); the bound is the largest eps
+whose p-value is at most 1 - confidence. ``bound="fdp"`` instead tests the claim that the training
+is as private as the Gaussian mechanism that is exactly (eps, delta)-DP (Mahloujifar et al.'s
+recursion over the Gaussian trade-off function): tighter for Gaussian-like mechanisms such as
+DP-SGD, but a violation of that claim is a violation of the Gaussian trade-off, not a proof that the
+run breaks (eps, delta)-DP; the verdict is taken from the binomial bound. Several guess counts may
+be tried (``guesses``): each is tested at (1 - confidence) / len(guesses) (Bonferroni), so the
+bound stays valid whichever count wins. The largest bound m canaries can ever give is that of
+every guess right (``one_run_ceiling``): about 5.8 at m = 1,000 and 7.3 at m = 5,000 with k = m,
+delta = 1e-5 and 95% confidence, whatever the claim.
 """
 
 from __future__ import annotations
@@ -36,7 +53,8 @@ from dataclasses import dataclass
 
 import numpy as np
 from omegaconf import DictConfig
-from scipy.stats import beta, norm
+from scipy import optimize, special
+from scipy.stats import beta, binom, norm
 
 from pipeline import privacy
 from pipeline.validation import ConfigError, positive_int
@@ -162,3 +180,179 @@ def check_keys(a: DictConfig) -> None:
         raise ConfigError(f"audit.power_factor must be a number > 1, got {a.power_factor!r}")
     if isinstance(a.noise_scale, bool) or not isinstance(a.noise_scale, (int, float)) or not a.noise_scale > 0:
         raise ConfigError(f"audit.noise_scale must be a positive number, got {a.noise_scale!r}")
+
+
+# --- one training run ---------------------------------------------------------------------------
+
+ONE_RUN_BOUNDS = ("binomial", "fdp")
+
+
+def one_run_p_value(m: int, k: int, v: int, eps: float, delta: float) -> float:
+    """Under (eps, delta)-DP, the probability of at least ``v`` correct among ``k`` guesses on ``m``
+    canaries is at most this (Steinke et al., Theorem 5.2 with Proposition 5.7): with
+    W ~ Binomial(k, e^eps / (1 + e^eps)), P[W >= v] + 2 m delta max_{1 <= i <= v} (P[W >= v - i] -
+    P[W >= v]) / i."""
+    if v <= 0:
+        return 1.0
+    q = float(special.expit(eps))
+    tail = float(binom.sf(v - 1, k, q))
+    if delta == 0:
+        return tail
+    i = np.arange(1, v + 1)
+    alpha = float(np.max((binom.sf(v - i - 1, k, q) - tail) / i))
+    return min(1.0, tail + 2 * m * delta * alpha)
+
+
+def _largest_rejected(rejected, eps_hi: float = 1.0) -> float:
+    """The largest eps >= 0 with ``rejected(eps) > 0`` (a decreasing function): 0 if none."""
+    if rejected(0.0) <= 0:
+        return 0.0
+    lo, hi = 0.0, eps_hi
+    while rejected(hi) > 0:
+        lo, hi = hi, 2 * hi
+        if hi > 1e3:  # every finite claim rejected: no noise at all
+            return math.inf
+    return float(optimize.brentq(rejected, lo, hi, xtol=1e-6))
+
+
+def _gaussian_tradeoff_inverse(eps: float, delta: float):
+    """x -> Phi(Phi^-1(x) - mu) for the Gaussian mechanism exactly (eps, delta)-DP (mu = 1 / its
+    noise multiplier): the inverse of the blow-up its trade-off function allows."""
+    mu = 1.0 / privacy.gaussian_multiplier(eps=eps, delta=delta)
+    return lambda x: float(special.ndtr(special.ndtri(x) - mu))
+
+
+def _fdp_rejected(m: int, k: int, v: int, alpha: float, delta: float):
+    """Mahloujifar et al.'s test of a Gaussian trade-off claim from v correct of k guesses on m
+    canaries at level alpha: positive where the claim (eps, delta) is rejected. Starting from the
+    shares of correct and wrong guesses that the level allows (r = alpha v / m, h = alpha (k - v) /
+    m), the recursion raises h to the least the trade-off function permits given r, and r by the
+    matching share, one correct guess at a time; the claim is rejected when the shares it can
+    account for stay below k / m."""
+    def rejected(eps: float) -> float:
+        inverse = _gaussian_tradeoff_inverse(max(eps, 1e-9), delta)
+        r, h = alpha * v / m, alpha * (k - v) / m
+        for i in range(v - 1, -1, -1):
+            raised = max(h, inverse(r))
+            if raised == h:  # neither moves again
+                break
+            r, h = min(r + i / (k - i) * (raised - h), 1.0), raised
+        return r + h - k / m
+    return rejected
+
+
+def one_run_eps(m: int, k: int, v: int, *, delta: float, alpha: float, bound: str = "binomial") -> float:
+    """The lower bound on eps, at level ``alpha`` (probability of a wrong bound), from ``v``
+    correct of ``k`` guesses on ``m`` canaries: the largest eps whose claim (eps, delta) the
+    outcome rejects; 0 where it rejects none."""
+    if not 0 <= v <= k <= m:
+        raise ValueError(f"need 0 <= v <= k <= m, got v={v}, k={k}, m={m}")
+    if k == 0 or v == 0:
+        return 0.0
+    if bound == "binomial":
+        if one_run_p_value(m, k, v, 0.0, 0.0) > alpha:  # not even pure DP at eps = 0 is rejected
+            return 0.0
+        return _largest_rejected(lambda eps: alpha - one_run_p_value(m, k, v, eps, delta))
+    if bound == "fdp":
+        return _largest_rejected(_fdp_rejected(m, k, v, alpha, delta))
+    raise ValueError(f"unknown one-run bound {bound!r}; known: {ONE_RUN_BOUNDS}")
+
+
+def one_run_ceiling(m: int, *, delta: float, confidence: float = 0.95, guesses: tuple[int, ...] | None = None,
+                    bound: str = "binomial") -> float:
+    """The largest bound ``m`` canaries can give with these guess counts (default: all m): every
+    guess right, at the Bonferroni-corrected level."""
+    guesses = tuple(guesses or (m,))
+    alpha = (1 - confidence) / len(guesses)
+    return max(one_run_eps(m, k, k, delta=delta, alpha=alpha, bound=bound) for k in guesses)
+
+
+@dataclass(frozen=True)
+class OneRun:
+    bound: str  # "binomial" (Steinke et al.) or "fdp" (Mahloujifar et al., Gaussian trade-off)
+    eps_lower: float  # the lower bound on eps at the audit's confidence
+    m: int  # canaries
+    k_plus: int  # guesses "in" (highest scores)
+    k_minus: int  # guesses "out" (lowest scores)
+    correct: int  # correct guesses among k_plus + k_minus
+    eps_ceiling: float  # the bound of every guess right, same guess counts and level
+    candidates: int  # guess counts tried (the level is divided by it)
+
+
+def guess(scores: np.ndarray, k_plus: int, k_minus: int) -> np.ndarray:
+    """+1 ("in") for the ``k_plus`` highest scores, -1 for the ``k_minus`` lowest, 0 (abstain)
+    elsewhere. Ties are broken by position (a stable sort), never by inclusion."""
+    order = np.argsort(scores, kind="stable")
+    out = np.zeros(scores.size, dtype=np.int8)
+    if k_minus:
+        out[order[:k_minus]] = -1
+    if k_plus:
+        out[order[scores.size - k_plus:]] = 1
+    return out
+
+
+def one_run_bound(scores: np.ndarray, included: np.ndarray, *, delta: float, confidence: float = 0.95,
+                  guesses: tuple[int, ...] | None = None, sides: str = "two", bound: str = "binomial") -> OneRun:
+    """The one-run lower bound on eps from the canaries' ``scores`` and their inclusion bits
+    (``included``, drawn before training and read only here). Each count k of ``guesses`` (default:
+    every canary) is split between the two ends (``sides="two"``: k_plus = ceil(k / 2), k_minus the
+    rest; ``"one"``: k_plus = k) and tested at (1 - confidence) / len(guesses); the best is kept."""
+    scores, included = np.asarray(scores, dtype=np.float64), np.asarray(included, dtype=bool)
+    m = scores.size
+    if included.shape != scores.shape or m == 0:
+        raise ValueError(f"need one inclusion bit per score, got {included.shape} and {scores.shape}")
+    if sides not in ("one", "two"):
+        raise ValueError(f"sides must be 'one' or 'two', got {sides!r}")
+    guesses = tuple(int(k) for k in (guesses or (m,)))
+    if any(not 0 < k <= m for k in guesses):
+        raise ValueError(f"every guess count must lie in [1, {m}], got {guesses}")
+    alpha = (1 - confidence) / len(guesses)
+    truth = np.where(included, 1, -1)
+    best = None
+    for k in guesses:
+        k_plus = k if sides == "one" else (k + 1) // 2
+        g = guess(scores, k_plus, k - k_plus)
+        v = int(np.sum(g == truth))
+        eps = one_run_eps(m, k, v, delta=delta, alpha=alpha, bound=bound)
+        if best is None or eps > best[0]:
+            best = (eps, k_plus, k - k_plus, v)
+    eps, k_plus, k_minus, v = best
+    return OneRun(bound=bound, eps_lower=eps, m=m, k_plus=k_plus, k_minus=k_minus, correct=v,
+                  eps_ceiling=one_run_ceiling(m, delta=delta, confidence=confidence, guesses=guesses, bound=bound),
+                  candidates=len(guesses))
+
+
+def one_run_power(m: int, eps_alt: float, *, delta: float, confidence: float = 0.95,
+                  guesses: tuple[int, ...] | None = None, sides: str = "two", bound: str = "binomial") -> float:
+    """The bound the audit reaches, at expected counts, when each canary's score is N(mu, 1) if
+    included and N(0, 1) if not, mu that of the Gaussian mechanism exactly (eps_alt, delta)-DP
+    (the strongest canary such a mechanism allows: a white-box canary in a single Gaussian release):
+    how large a violation m canaries can show at all."""
+    mu = 1.0 / privacy.gaussian_multiplier(eps=eps_alt, delta=delta)
+    guesses = tuple(int(k) for k in (guesses or (m,)))
+    alpha = (1 - confidence) / len(guesses)
+    best = 0.0
+    for k in guesses:
+        k_plus = k if sides == "one" else (k + 1) // 2
+        k_minus = k - k_plus
+        right = 0.0
+        if k_plus:  # threshold t with the expected count above it k_plus: m/2 (sf(t - mu) + sf(t)) = k_plus
+            t = optimize.brentq(lambda t: m / 2 * (norm.sf(t - mu) + norm.sf(t)) - k_plus, -40, 40 + mu)
+            right += m / 2 * norm.sf(t - mu)
+        if k_minus:
+            t = optimize.brentq(lambda t: m / 2 * (norm.cdf(t - mu) + norm.cdf(t)) - k_minus, -40, 40 + mu)
+            right += m / 2 * norm.cdf(t)
+        best = max(best, one_run_eps(m, k, int(round(right)), delta=delta, alpha=alpha, bound=bound))
+    return best
+
+
+def one_run_verdict(result: OneRun, claimed_eps: float, power: float) -> str:
+    """``violation`` (the bound exceeds the claim: a proof at the audit's confidence, for the
+    binomial bound), ``consistent`` (no violation, and one of ``power``'s size could have been
+    shown), or ``too weak to say (...)`` (the ceiling or the power does not reach the claim)."""
+    if result.eps_lower > claimed_eps:
+        return "violation"
+    if result.eps_ceiling <= claimed_eps or power <= claimed_eps:
+        return (f"too weak to say (m = {result.m} canaries prove at most {result.eps_ceiling:.3g}; "
+                f"a clear violation would give {power:.3g})")
+    return "consistent"
