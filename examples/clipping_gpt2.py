@@ -1,5 +1,5 @@
 """Phantom Clipping on a Hugging Face GPT-2 with tied input and output embeddings, in a few lines:
-``python examples/clipping_gpt2.py`` from the repository root (transformers comes with the dev extra,
+``python examples/clipping_gpt2.py`` from the repository root (transformers is a dependency of the project,
 ``pip install -e ".[dev]"``; nothing is downloaded, the model is built from a config with random
 weights).
 

@@ -1,0 +1,96 @@
+"""Posts as training examples and evaluation windows, and the per-example loss.
+
+**One post, one example** (the privacy unit): a training post is its first L + 1 tokens ("post"
+then the end-of-text token, truncated), padded with the end-of-text id to L + 1; its L next-token
+predictions are the example, and the tokens after them are never read by training (about half the
+posts are longer than 128 tokens: their tails are lost to training, not to the guarantee). The
+per-example loss is the mean cross-entropy over the post's real targets (padding excluded), so each
+post weighs the same whatever its length; clipping bounds its gradient either way.
+
+**Evaluation covers every token**: each post ("post" + end-of-text) is cut into consecutive,
+non-overlapping windows of L + 1 tokens that overlap by one (the last token of a window is the
+first input of the next), so every token after a post's first is predicted exactly once, from
+the context of its own window only; padding is never a target. Perplexity is exp of the mean
+loss over all predicted tokens of all posts (token-weighted), accuracy the share predicted top-1.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def encode(posts: list[str], tokenizer, eos_id: int) -> list[list[int]]:
+    """Each post's token ids, the end-of-text id appended."""
+    return [enc.ids + [eos_id] for enc in tokenizer.encode_batch(posts)]
+
+
+def training_rows(ids: list[list[int]], L: int, eos_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(n, L + 1) token ids (first L + 1 of each post, padded with eos_id) and the (n, L) mask of
+    real targets (a post of k tokens has k - 1 real targets, at most L)."""
+    rows = torch.full((len(ids), L + 1), eos_id, dtype=torch.long)
+    mask = torch.zeros(len(ids), L, dtype=torch.bool)
+    for i, post in enumerate(ids):
+        post = post[: L + 1]
+        rows[i, : len(post)] = torch.tensor(post, dtype=torch.long)
+        mask[i, : len(post) - 1] = True
+    return rows, mask
+
+
+def windows(ids: list[list[int]], L: int, eos_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every post cut into windows of L + 1 tokens, consecutive windows sharing one token: (w, L + 1)
+    ids and the (w, L) mask of the targets each window predicts (each token after a post's first
+    exactly once)."""
+    rows, masks = [], []
+    for post in ids:
+        for start in range(0, max(len(post) - 1, 1), L):
+            piece = post[start : start + L + 1]
+            if len(piece) < 2:
+                continue
+            row = piece + [eos_id] * (L + 1 - len(piece))
+            rows.append(row)
+            masks.append([True] * (len(piece) - 1) + [False] * (L + 1 - len(piece)))
+    return torch.tensor(rows, dtype=torch.long).reshape(-1, L + 1), torch.tensor(masks, dtype=torch.bool).reshape(-1, L)
+
+
+def _wide(logits: torch.Tensor) -> torch.Tensor:
+    """Half-precision logits in float32 for the softmax; float32 and float64 as they are."""
+    return logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits
+
+
+def token_losses(model, rows: torch.Tensor) -> torch.Tensor:
+    """(n, L) next-token cross-entropies. Positions are given per row, (n, L): the clipping engine
+    needs every layer's input batch first (Hugging Face defaults to one (1, L) row broadcast)."""
+    n, T = rows.shape
+    inputs = rows[:, :-1]
+    positions = torch.arange(T - 1, device=rows.device).expand(n, T - 1)
+    logits = _wide(model(input_ids=inputs, position_ids=positions).logits)
+    return F.cross_entropy(logits.transpose(1, 2), rows[:, 1:], reduction="none")
+
+
+def example_losses(model, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """(n,) per-post losses: the mean over each post's real targets (``loss_fn`` of the engine)."""
+    rows, mask = batch
+    losses = token_losses(model, rows)
+    m = mask.to(losses.dtype)
+    return (losses * m).sum(1) / m.sum(1).clamp(min=1)
+
+
+@torch.no_grad()
+def evaluate(model, rows: torch.Tensor, mask: torch.Tensor, batch_size: int = 64) -> dict[str, float]:
+    """Perplexity and top-1 accuracy over every masked target of ``windows``' output, token-weighted."""
+    was = model.training
+    model.eval()
+    loss_sum, correct, count = 0.0, 0, 0
+    for i in range(0, rows.shape[0], batch_size):
+        r, m = rows[i : i + batch_size], mask[i : i + batch_size]
+        n, T = r.shape
+        logits = _wide(model(input_ids=r[:, :-1], position_ids=torch.arange(T - 1).expand(n, T - 1)).logits)
+        losses = F.cross_entropy(logits.transpose(1, 2), r[:, 1:], reduction="none")
+        loss_sum += float(losses[m].double().sum())
+        correct += int((logits.argmax(-1) == r[:, 1:])[m].sum())
+        count += int(m.sum())
+    model.train(was)
+    mean = loss_sum / max(count, 1)
+    return {"perplexity": float(torch.tensor(mean).exp()), "loss": mean, "accuracy": correct / max(count, 1),
+            "tokens": count}

@@ -1,0 +1,136 @@
+"""DP-SGD for the language model: Poisson sampling of posts, each post's gradient clipped exactly
+by the shared engine (``pipeline.clipping.PhantomClipping``: the tied table's norm includes the
+cross term between its input and output uses), Gaussian noise, Adam with linear warm-up and decay.
+
+Privacy accounting (``plan``). The run's (eps, delta) is shared by the private vocabulary (when
+``vocab=private``: ``vocab_share`` of eps and of delta, ``vocab.py``) and DP-SGD (the rest), by
+basic composition. DP-SGD's noise multiplier is the accountant's smallest for ``steps`` steps of the
+Poisson-subsampled Gaussian mechanism at rate q = B / n (one post added or removed moves the
+clipped sum by at most C: the sensitivity ``PhantomClipping.add_noise`` is calibrated for); an
+empty Poisson sample still releases the noise, and the accountant counts every step.
+``clipping=none`` or eps = inf: no noise, no guarantee.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from pipeline.lm.examples import example_losses
+from pipeline.validation import RunFailed
+
+ADAM_BETAS = (0.9, 0.999)
+ENGINES = ("phantom", "none")
+
+
+class Diverged(RunFailed):
+    """A non-finite loss or gradient: the run ends FAILED."""
+
+
+@dataclass(frozen=True)
+class Plan:
+    n_posts: int
+    batch_size: int  # expected: q n
+    sample_rate: float
+    steps_per_epoch: int
+    steps: int
+    sigma: float  # DP-SGD's noise multiplier (0: non-private)
+    spent_eps: float  # DP-SGD's eps as the accountant reports it, plus the vocabulary's share
+    delta: float
+    vocab_eps: float  # the private vocabulary's share (0 for vocab=public)
+    vocab_delta: float
+
+
+def plan(*, n_posts: int, batch_size: int, epochs: int, eps: float, delta: float, private: bool,
+         vocab_share: float, accountant: str = "prv") -> Plan:
+    """The run's sampling rate, steps and noise multiplier (``vocab_share`` > 0 where the
+    vocabulary was selected with DP from these posts)."""
+    from pipeline import privacy
+
+    if not 0 <= vocab_share < 1:
+        raise ValueError(f"vocab_share must lie in [0, 1), got {vocab_share}")
+    B = min(batch_size, n_posts)
+    q = B / n_posts
+    per_epoch = max(1, round(n_posts / B))
+    steps = epochs * per_epoch
+    if private and math.isfinite(eps):
+        e, d = (1 - vocab_share) * eps, (1 - vocab_share) * delta
+        sigma = privacy.dpsgd_noise_multiplier(eps=e, delta=d, sample_rate=q, steps=steps, accountant=accountant)
+        spent = privacy.dpsgd_spent_epsilon(sigma=sigma, delta=d, sample_rate=q, steps=steps,
+                                            accountant=accountant) + vocab_share * eps
+    else:
+        sigma, spent = 0.0, math.inf
+    return Plan(n_posts, B, q, per_epoch, steps, sigma, spent, delta, vocab_share * eps, vocab_share * delta)
+
+
+def schedule(steps: int, warmup: float) -> Callable[[int], float]:
+    """Linear warm-up over the first ``warmup`` share of the steps, then linear decay to 0."""
+    w = max(1, round(warmup * steps))
+    return lambda s: (s + 1) / w if s < w else max(0.0, (steps - s) / max(1, steps - w))
+
+
+@dataclass
+class History:
+    loss: list[float] = field(default_factory=list)  # mean per-post loss of each epoch's sampled posts
+    mean_norm: list[float] = field(default_factory=list)  # mean per-post gradient norm (private runs)
+    valid: list[dict] = field(default_factory=list)
+
+
+def run(model, rows: torch.Tensor, mask: torch.Tensor, run_plan: Plan, *, engine: str, C: float, lr: float,
+        warmup: float, weight_decay: float, seed: int, validate: Callable | None = None,
+        on_epoch: Callable[[int, dict], None] | None = None) -> History:
+    """Train ``model`` in place on the (n, L + 1) ``rows`` and their target ``mask``."""
+    from pipeline.clipping import PhantomClipping
+
+    if engine not in ENGINES:
+        raise ValueError(f"unknown engine {engine!r}; known: {ENGINES}")
+    clip = PhantomClipping(model, C=C) if engine == "phantom" else None
+    opt = torch.optim.Adam(model.parameters(), lr=lr, betas=ADAM_BETAS, weight_decay=weight_decay)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule(run_plan.steps, warmup))
+    gen = torch.Generator().manual_seed(seed + 1)  # Poisson sampling and noise
+    history = History()
+    model.train()
+    epochs = run_plan.steps // run_plan.steps_per_epoch
+    for epoch in range(1, epochs + 1):
+        loss_sum, norm_sum, seen = 0.0, 0.0, 0
+        for _ in range(run_plan.steps_per_epoch):
+            pick = (torch.rand(run_plan.n_posts, generator=gen) < run_plan.sample_rate).nonzero().squeeze(1)
+            batch = (rows[pick], mask[pick])
+            if clip is not None:
+                if len(pick):
+                    losses, norms = clip.step(example_losses, batch)
+                    norm_sum += float(norms.sum())
+                else:  # the noise alone
+                    losses = torch.zeros(0)
+                    for p in model.parameters():
+                        p.grad = torch.zeros_like(p)
+                clip.add_noise(run_plan.sigma, generator=gen)
+            else:
+                opt.zero_grad()
+                losses = example_losses(model, batch) if len(pick) else torch.zeros(0, requires_grad=True)
+                losses.sum().backward()
+            for p in model.parameters():
+                if p.grad is not None:
+                    p.grad /= run_plan.batch_size
+            step_loss = float(losses.detach().sum())
+            if not math.isfinite(step_loss) or not all(bool(torch.isfinite(p.grad).all())
+                                                       for p in model.parameters() if p.grad is not None):
+                raise Diverged(f"training diverged in epoch {epoch}: a loss or gradient is not finite "
+                               f"(lr = {lr}, C = {C}); the run ends FAILED")
+            opt.step()
+            sched.step()
+            loss_sum += step_loss
+            seen += len(pick)
+        history.loss.append(loss_sum / max(seen, 1))
+        history.mean_norm.append(norm_sum / max(seen, 1) if clip is not None else math.nan)
+        metrics = {"loss": history.loss[-1]}
+        if validate is not None:
+            found = validate(model)
+            history.valid.append({"epoch": epoch, **found})
+            metrics |= {f"valid_{k}": v for k, v in found.items()}
+        if on_epoch is not None:
+            on_epoch(epoch, metrics)
+    return history

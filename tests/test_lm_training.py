@@ -1,0 +1,136 @@
+"""The language-model task's examples, reference rows and DP-SGD (``pipeline/lm/``): windows that
+predict every token once, per-post norms through the shared engine against a float64 brute force
+(tied and untied GPT-2), the unigram models' closed forms and sensitivity, the accounting split
+with the vocabulary, and training that learns, repeats itself and fails loudly."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from pipeline import privacy
+from pipeline.lm import examples, models, train, unigram
+
+EOS = 0
+POSTS = [[5, 6, 7, 8, 9, 10, 11, EOS], [12, 13, EOS], [7, EOS], list(range(1, 30)) + [EOS]]
+
+
+def test_training_rows_hold_a_posts_first_tokens_and_mask_its_padding():
+    rows, mask = examples.training_rows(POSTS, L=5, eos_id=EOS)
+    assert rows.tolist()[0] == [5, 6, 7, 8, 9, 10] and mask[0].tolist() == [True] * 5
+    assert rows.tolist()[1] == [12, 13, EOS, EOS, EOS, EOS] and mask[1].tolist() == [True, True, False, False, False]
+    assert mask[2].tolist() == [True, False, False, False, False]
+
+
+def test_windows_predict_every_token_after_a_posts_first_exactly_once():
+    rows, mask = examples.windows(POSTS, L=4, eos_id=EOS)
+    predicted = [int(t) for r, m in zip(rows, mask) for t, keep in zip(r[1:], m) if keep]
+    assert predicted == [t for post in POSTS for t in post[1:]]
+    assert rows.shape[1] == 5 and int(mask.sum()) == sum(len(p) - 1 for p in POSTS)
+
+
+def _tiny(tied: bool, V: int = 40):
+    torch.manual_seed(0)
+    return models.build(vocab_size=V, max_len=8, d=16, layers=2, heads=2, tied=tied, dropout=0.0, eos_id=EOS)
+
+
+@pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
+def test_per_post_norms_through_the_engine_equal_a_float64_brute_force(tied):
+    from pipeline.clipping import PhantomClipping
+
+    torch.set_default_dtype(torch.float64)
+    try:
+        model = _tiny(tied)
+        model.eval()
+        rows, mask = examples.training_rows([[1, 2, 3, 4, 5, 6, 7, 8, 9], [3, 4, EOS], [9, 9, 9, 9, EOS]], L=7, eos_id=EOS)
+        engine = PhantomClipping(model, C=0.5)
+        assert (engine.ties() != {}) == tied
+        losses, norms = engine.step(examples.example_losses, (rows, mask))
+        params = [p for p in model.parameters() if p.requires_grad]
+        brute, clipped_sum = [], [torch.zeros_like(p) for p in params]
+        for i in range(rows.shape[0]):
+            g = torch.autograd.grad(examples.example_losses(model, (rows[i:i + 1], mask[i:i + 1]))[0], params)
+            norm = torch.sqrt(sum(x.pow(2).sum() for x in g))
+            brute.append(norm)
+            c = min(1.0, 0.5 / (float(norm) + 1e-6))
+            clipped_sum = [s + c * x for s, x in zip(clipped_sum, g)]
+        assert torch.allclose(norms, torch.stack(brute), rtol=1e-9)
+        for p, want in zip(params, clipped_sum):
+            assert torch.allclose(p.grad, want, rtol=1e-9, atol=1e-12)
+    finally:
+        torch.set_default_dtype(torch.float32)
+
+
+def test_evaluation_is_token_weighted_over_every_window():
+    model = _tiny(True)
+    rows, mask = examples.windows(POSTS, L=6, eos_id=EOS)
+    found = examples.evaluate(model, rows, mask, batch_size=2)
+    with torch.no_grad():
+        losses = examples.token_losses(model, rows)
+    assert found["tokens"] == int(mask.sum())
+    assert found["loss"] == pytest.approx(float(losses[mask].double().mean()), rel=1e-6)
+    assert found["perplexity"] == pytest.approx(math.exp(found["loss"]), rel=1e-6)
+
+
+def test_the_unigram_models():
+    rows, mask = examples.training_rows(POSTS, L=5, eos_id=EOS)
+    V = 40
+    logp = unigram.fit(rows, mask, V)
+    counts = torch.ones(V, dtype=torch.float64)
+    for t in rows[:, 1:][mask]:
+        counts[t] += 1
+    assert torch.allclose(logp.exp(), counts / counts.sum())
+    # sensitivity: one post's normalised target histogram has L2 norm at most 1 (its L1 norm is 1)
+    for i in range(rows.shape[0]):
+        h = unigram._histograms(rows[i:i + 1], mask[i:i + 1], V, normalise=True)
+        assert float(h.sum()) == pytest.approx(1.0) and float(h.norm()) <= 1.0 + 1e-12
+    logp_dp, sigma = unigram.fit_private(rows, mask, V, eps=1.0, delta=1e-5, generator=torch.Generator().manual_seed(0))
+    assert sigma == pytest.approx(privacy.gaussian_multiplier(eps=1.0, delta=1e-5))
+    assert float(logp_dp.exp().sum()) == pytest.approx(1.0)
+    found = unigram.evaluate(logp, rows, mask)
+    assert found["tokens"] == int(mask.sum()) and found["perplexity"] == pytest.approx(math.exp(found["loss"]))
+    with pytest.raises(ValueError, match="finite eps"):
+        unigram.fit_private(rows, mask, V, eps=math.inf, delta=1e-5, generator=torch.Generator())
+
+
+def test_the_plan_splits_the_budget_with_the_vocabulary():
+    alone = train.plan(n_posts=1000, batch_size=100, epochs=3, eps=4.0, delta=1e-5, private=True, vocab_share=0.0)
+    shared = train.plan(n_posts=1000, batch_size=100, epochs=3, eps=4.0, delta=1e-5, private=True, vocab_share=0.25)
+    assert alone.steps == 30 and alone.sample_rate == 0.1 and shared.vocab_eps == 1.0
+    assert shared.sigma > alone.sigma  # DP-SGD has 3 of the 4
+    assert alone.spent_eps == pytest.approx(4.0, abs=0.05) and shared.spent_eps == pytest.approx(4.0, abs=0.05)
+    assert privacy.dpsgd_spent_epsilon(sigma=shared.sigma, delta=0.75e-5, sample_rate=0.1, steps=30,
+                                       accountant="prv") <= 3.0 + 0.02
+    off = train.plan(n_posts=1000, batch_size=100, epochs=3, eps=4.0, delta=1e-5, private=False, vocab_share=0.0)
+    assert off.sigma == 0.0 and off.spent_eps == math.inf
+
+
+def _corpus(n: int = 64):
+    g = torch.Generator().manual_seed(0)
+    posts = [[1 + (int(torch.randint(0, 3, (1,), generator=g)) + k) % 30 for k in range(7)] + [EOS] for _ in range(n)]
+    return examples.training_rows(posts, L=7, eos_id=EOS)
+
+
+def _fit(engine: str, sigma_eps: float, lr: float = 3e-2, epochs: int = 4, seed: int = 0):
+    rows, mask = _corpus()
+    model = _tiny(True)
+    pl = train.plan(n_posts=rows.shape[0], batch_size=16, epochs=epochs, eps=sigma_eps, delta=1e-5,
+                    private=engine != "none", vocab_share=0.0)
+    history = train.run(model, rows, mask, pl, engine=engine, C=1.0, lr=lr, warmup=0.1, weight_decay=0.0, seed=seed)
+    return model, history
+
+
+def test_training_learns_repeats_itself_and_fails_loudly():
+    _, plain = _fit("none", math.inf)
+    assert plain.loss[-1] < 0.7 * plain.loss[0]  # a counting pattern: learnt
+    a, ha = _fit("phantom", 8.0, epochs=2)
+    b, hb = _fit("phantom", 8.0, epochs=2)
+    assert ha.loss == hb.loss and all(torch.equal(x, y) for x, y in zip(a.parameters(), b.parameters()))
+    assert all(n == n and n > 0 for n in ha.mean_norm)
+    with pytest.raises(train.Diverged, match="the run ends FAILED"):
+        _fit("none", math.inf, lr=1e30, epochs=1)
+    with pytest.raises(ValueError, match="unknown engine"):
+        train.run(_tiny(True), *_corpus(), train.plan(n_posts=64, batch_size=16, epochs=1, eps=1.0, delta=1e-5,
+                  private=True, vocab_share=0.0), engine="ghost", C=1.0, lr=1e-3, warmup=0.1, weight_decay=0.0, seed=0)
