@@ -122,6 +122,7 @@ def _fit(engine: str, sigma_eps: float, lr: float = 3e-2, epochs: int = 4, seed:
     return model, history
 
 
+@pytest.mark.slow
 def test_training_learns_repeats_itself_and_fails_loudly():
     _, plain = _fit("none", math.inf)
     assert plain.loss[-1] < 0.7 * plain.loss[0]  # a counting pattern: learnt

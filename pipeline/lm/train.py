@@ -81,12 +81,16 @@ class History:
 
 def run(model, rows: torch.Tensor, mask: torch.Tensor, run_plan: Plan, *, engine: str, C: float, lr: float,
         warmup: float, weight_decay: float, seed: int, validate: Callable | None = None,
-        on_epoch: Callable[[int, dict], None] | None = None) -> History:
-    """Train ``model`` in place on the (n, L + 1) ``rows`` and their target ``mask``."""
+        on_epoch: Callable[[int, dict], None] | None = None, canaries=None) -> History:
+    """Train ``model`` in place on the (n, L + 1) ``rows`` and their target ``mask``. With
+    ``canaries`` (``pipeline.canaries.DiracCanaries``, the whole-run audit), the sampled included
+    canaries join every step's clipped sum before the noise, and the noisy sum is observed."""
     from pipeline.clipping import PhantomClipping
 
     if engine not in ENGINES:
         raise ValueError(f"unknown engine {engine!r}; known: {ENGINES}")
+    if canaries is not None and engine == "none":
+        raise ValueError("canaries audit a private run: engine none has no clipped sum to join")
     clip = PhantomClipping(model, C=C) if engine == "phantom" else None
     opt = torch.optim.Adam(model.parameters(), lr=lr, betas=ADAM_BETAS, weight_decay=weight_decay)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule(run_plan.steps, warmup))
@@ -107,7 +111,11 @@ def run(model, rows: torch.Tensor, mask: torch.Tensor, run_plan: Plan, *, engine
                     losses = torch.zeros(0)
                     for p in model.parameters():
                         p.grad = torch.zeros_like(p)
+                if canaries is not None:
+                    canaries.add()
                 clip.add_noise(run_plan.sigma, generator=gen)
+                if canaries is not None:
+                    canaries.observe()
             else:
                 opt.zero_grad()
                 losses = example_losses(model, batch) if len(pick) else torch.zeros(0, requires_grad=True)

@@ -1,0 +1,119 @@
+"""The whole-run audit of the language model's DP-SGD (issue 39's ``audit.scope=run``, on this
+task's training loop): one real training run with m white-box Dirac canaries
+(``pipeline.canaries``), scored after training and bounded with the one-run bounds
+(``pipeline.auditing.one_run_bound``), against the eps the accountant claims for the run.
+
+Variants (each its own training run; the controls are runs whose actual noise or sampling differs
+from what the accountant was told, which the audit must flag where its power allows):
+
+- ``engine``: the run as planned (``train.plan``);
+- ``noise_halved``: noise std sigma C / 2;
+- ``sampling_doubled``: posts (and canaries) sampled at 2 q while the accountant assumed q;
+- ``accountant_tenth``: the noise multiplier the accountant gives for a tenth of the steps, all
+  the steps taken;
+- ``no_noise``: no noise at all (the strongest violation: every guess right, the bound is the
+  ceiling).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Callable
+
+import torch
+
+from pipeline import auditing
+from pipeline.canaries import DiracCanaries
+from pipeline.lm import train
+
+VARIANTS = ("engine", "noise_halved", "sampling_doubled", "accountant_tenth", "no_noise")
+
+
+def actual_plan(claimed: train.Plan, variant: str, *, eps: float, delta: float, accountant: str) -> train.Plan:
+    """What the training does under ``variant``, while the claim stays ``claimed``'s."""
+    from pipeline import privacy
+
+    if variant == "engine":
+        return claimed
+    if variant == "noise_halved":
+        return dataclasses.replace(claimed, sigma=claimed.sigma / 2)
+    if variant == "sampling_doubled":
+        return dataclasses.replace(claimed, sample_rate=min(1.0, 2 * claimed.sample_rate))
+    if variant == "accountant_tenth":
+        told = max(1, claimed.steps // 10)
+        return dataclasses.replace(claimed, sigma=privacy.dpsgd_noise_multiplier(
+            eps=eps, delta=delta, sample_rate=claimed.sample_rate, steps=told, accountant=accountant))
+    if variant == "no_noise":
+        return dataclasses.replace(claimed, sigma=0.0)
+    raise ValueError(f"unknown audit variant {variant!r}; known: {VARIANTS}")
+
+
+def run(build_model: Callable[[], torch.nn.Module], rows: torch.Tensor, mask: torch.Tensor, *, variant: str,
+        eps: float, delta: float, batch_size: int, epochs: int, C: float, lr: float, m: int, seed: int,
+        confidence: float = 0.95, guesses: tuple[int, ...] | None = None, power_factor: float = 2.0,
+        accountant: str = "prv") -> dict:
+    """One audited training run: its bounds, ceiling, power and verdict against the claimed eps."""
+    claimed = train.plan(n_posts=rows.shape[0], batch_size=batch_size, epochs=epochs, eps=eps, delta=delta,
+                         private=True, vocab_share=0.0, accountant=accountant)
+    used = actual_plan(claimed, variant, eps=eps, delta=delta, accountant=accountant)
+    model = build_model()
+    params = [p for p in model.parameters() if p.requires_grad]
+    canaries = DiracCanaries(params, m=m, C=C, sample_rate=used.sample_rate, seed=seed)
+    train.run(model, rows, mask, used, engine="phantom", C=C, lr=lr, warmup=0.1, weight_decay=0.0, seed=seed,
+              canaries=canaries)
+    scores, included = canaries.scores(), canaries.reveal()  # the bits are read here, after training, only
+    guesses = guesses or (m // 10, m // 2, m)
+    binomial = auditing.one_run_bound(scores, included, delta=delta, confidence=confidence, guesses=guesses)
+    fdp = auditing.one_run_bound(scores, included, delta=delta, confidence=confidence, guesses=guesses, bound="fdp")
+    power = auditing.one_run_power(m, power_factor * eps, delta=delta, confidence=confidence, guesses=guesses)
+    def mu(plan: train.Plan) -> float:  # the sum score's mu for a canary: q sqrt(T) / sigma (no noise: inf)
+        return plan.sample_rate * math.sqrt(plan.steps) / plan.sigma if plan.sigma > 0 else math.inf
+
+    return {"variant": variant, "claimed_eps": eps, "sigma_claimed": claimed.sigma, "sigma_used": used.sigma,
+            "sample_rate_used": used.sample_rate, "steps": claimed.steps, "m": m, "mu_claimed": mu(claimed),
+            "mu_used": mu(used), "eps_lower": binomial.eps_lower, "eps_lower_fdp": fdp.eps_lower,
+            "correct": binomial.correct, "guesses": binomial.k_plus + binomial.k_minus,
+            "eps_ceiling": binomial.eps_ceiling, "power": power, "verdict": auditing.one_run_verdict(binomial, eps, power)}
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    """``python -m pipeline.lm.audit``: every variant on a small synthetic corpus and a one-layer
+    GPT-2 (until the task is registered, its CPU preset is not reachable from here); one line each."""
+    import argparse
+
+    from pipeline.lm import examples, models
+
+    parser = argparse.ArgumentParser(description=main.__doc__.splitlines()[0])
+    parser.add_argument("--eps", type=float, default=1.0)
+    parser.add_argument("--delta", type=float, default=1e-5)
+    parser.add_argument("--m", type=int, default=2000, help="canaries")
+    parser.add_argument("--posts", type=int, default=200)
+    parser.add_argument("--batch-size", type=int, default=20)
+    parser.add_argument("--epochs", type=int, default=10)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
+    args = parser.parse_args(argv)
+    g = torch.Generator().manual_seed(args.seed)
+    posts = [[1 + (int(torch.randint(0, 3, (1,), generator=g)) + k) % 30 for k in range(7)] + [0]
+             for _ in range(args.posts)]
+    rows, mask = examples.training_rows(posts, L=7, eos_id=0)
+
+    def build():
+        torch.manual_seed(args.seed)
+        return models.build(vocab_size=40, max_len=8, d=16, layers=1, heads=2, tied=True, dropout=0.0, eos_id=0)
+
+    out = []
+    for variant in args.variants:
+        r = run(build, rows, mask, variant=variant, eps=args.eps, delta=args.delta, batch_size=args.batch_size,
+                epochs=args.epochs, C=1.0, lr=1e-2, m=args.m, seed=args.seed)
+        print(f"{variant:17s} sigma {r['sigma_used']:.3f} (claimed {r['sigma_claimed']:.3f})  q {r['sample_rate_used']:.2f}  "
+              f"mu {r['mu_used']:.3f}  eps_lower {r['eps_lower']:.3f} (f-DP {r['eps_lower_fdp']:.3f})  "
+              f"{r['correct']}/{r['guesses']} right  ceiling {r['eps_ceiling']:.2f}  power {r['power']:.2f}  {r['verdict']}",
+              flush=True)
+        out.append(r)
+    return out
+
+
+if __name__ == "__main__":
+    main()
