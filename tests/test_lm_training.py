@@ -132,6 +132,37 @@ def test_training_learns_repeats_itself_and_fails_loudly():
     assert all(n == n and n > 0 for n in ha.mean_norm)
     with pytest.raises(train.Diverged, match="the run ends FAILED"):
         _fit("none", math.inf, lr=1e30, epochs=1)
-    with pytest.raises(ValueError, match="unknown engine"):
+    with pytest.raises(ValueError, match="clipping=ghost cannot clip a tied model"):
         train.run(_tiny(True), *_corpus(), train.plan(n_posts=64, batch_size=16, epochs=1, eps=1.0, delta=1e-5,
                   private=True, vocab_share=0.0), engine="ghost", C=1.0, lr=1e-3, warmup=0.1, weight_decay=0.0, seed=0)
+
+
+@pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
+def test_every_engine_leaves_the_same_clipped_sum(tied):
+    """Phantom, Opacus's per-sample reference and (untied) Opacus's ghost clipping: the same per-post
+    norms and clipped sums in float64, through the task's loss; ghost on a tied model is refused by
+    name before any compute."""
+    from pipeline.lm import engines
+
+    torch.set_default_dtype(torch.float64)
+    try:
+        rows, mask = examples.training_rows([[1, 2, 3, 4, 5, 6, 7, 8, 9], [3, 4, EOS], [9, 9, 9, 9, EOS]], L=7, eos_id=EOS)
+        found = {}
+        for name in engines.ENGINES:
+            model = _tiny(tied)
+            if name == "ghost" and tied:
+                assert "cannot clip a tied model" in engines.refusal(name, model)
+                continue
+            losses, norms = engines.make(name, model, 0.5).step((rows, mask))
+            found[name] = (norms, [p.grad.clone() for p in model.parameters()])
+        ref_norms, ref_grads = found["per_sample"]
+        for name in ("phantom", "ghost"):
+            if name in found:
+                norms, grads = found[name]
+                assert torch.allclose(norms, ref_norms, rtol=1e-10), name
+                assert all(torch.allclose(a, b, rtol=1e-9, atol=1e-13) for a, b in zip(grads, ref_grads)), name
+        assert found["none"][0] is None
+        assert not torch.allclose(found["none"][1][0], ref_grads[0])  # the plain sum is not the clipped one
+    finally:
+        torch.set_default_dtype(torch.float32)
+    assert engines.refusal("fast", _tiny(tied)).startswith("clipping 'fast' is unknown")

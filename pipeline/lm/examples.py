@@ -62,8 +62,8 @@ def token_losses(model, rows: torch.Tensor) -> torch.Tensor:
     """(n, L) next-token cross-entropies. Positions are given per row, (n, L): the clipping engine
     needs every layer's input batch first (Hugging Face defaults to one (1, L) row broadcast)."""
     n, T = rows.shape
-    inputs = rows[:, :-1]
-    positions = torch.arange(T - 1, device=rows.device).expand(n, T - 1)
+    inputs = rows[:, :-1].contiguous()
+    positions = torch.arange(T - 1, device=rows.device).repeat(n, 1)  # contiguous: Opacus views the ids
     logits = _wide(model(input_ids=inputs, position_ids=positions).logits)
     return F.cross_entropy(logits.transpose(1, 2), rows[:, 1:], reduction="none")
 

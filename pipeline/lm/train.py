@@ -19,11 +19,10 @@ from typing import Callable
 
 import torch
 
-from pipeline.lm.examples import example_losses
+from pipeline.lm import engines
 from pipeline.validation import RunFailed
 
 ADAM_BETAS = (0.9, 0.999)
-ENGINES = ("phantom", "none")
 
 
 class Diverged(RunFailed):
@@ -79,47 +78,49 @@ class History:
     valid: list[dict] = field(default_factory=list)
 
 
+def add_noise(model, sigma: float, C: float, generator: torch.Generator) -> None:
+    """The Gaussian mechanism on the clipped sum: N(0, (sigma C)^2) added to every trainable
+    ``p.grad`` (each post's clipped gradient has norm <= C, so one post moves the sum by at most C),
+    in the parameters' order, whatever the engine."""
+    for p in model.parameters():
+        if p.requires_grad:
+            p.grad.add_(torch.randn(p.grad.shape, generator=generator, dtype=p.grad.dtype, device=p.grad.device),
+                        alpha=sigma * C)
+
+
 def run(model, rows: torch.Tensor, mask: torch.Tensor, run_plan: Plan, *, engine: str, C: float, lr: float,
         warmup: float, weight_decay: float, seed: int, validate: Callable | None = None,
         on_epoch: Callable[[int, dict], None] | None = None, canaries=None) -> History:
     """Train ``model`` in place on the (n, L + 1) ``rows`` and their target ``mask``. With
     ``canaries`` (``pipeline.canaries.DiracCanaries``, the whole-run audit), the sampled included
     canaries join every step's clipped sum before the noise, and the noisy sum is observed."""
-    from pipeline.clipping import PhantomClipping
-
-    if engine not in ENGINES:
-        raise ValueError(f"unknown engine {engine!r}; known: {ENGINES}")
     if canaries is not None and engine == "none":
         raise ValueError("canaries audit a private run: engine none has no clipped sum to join")
-    clip = PhantomClipping(model, C=C) if engine == "phantom" else None
+    clip = engines.make(engine, model, C)
     opt = torch.optim.Adam(model.parameters(), lr=lr, betas=ADAM_BETAS, weight_decay=weight_decay)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule(run_plan.steps, warmup))
     gen = torch.Generator().manual_seed(seed + 1)  # Poisson sampling and noise
     history = History()
-    model.train()
+    model.train()  # dropout as configured (Opacus's hooks record in training mode only)
     epochs = run_plan.steps // run_plan.steps_per_epoch
     for epoch in range(1, epochs + 1):
         loss_sum, norm_sum, seen = 0.0, 0.0, 0
         for _ in range(run_plan.steps_per_epoch):
             pick = (torch.rand(run_plan.n_posts, generator=gen) < run_plan.sample_rate).nonzero().squeeze(1)
-            batch = (rows[pick], mask[pick])
-            if clip is not None:
-                if len(pick):
-                    losses, norms = clip.step(example_losses, batch)
+            if len(pick):
+                losses, norms = clip.step((rows[pick], mask[pick]))
+            else:  # an empty Poisson sample: a zero sum (the noise alone, for a private run)
+                losses, norms = torch.zeros(0), None
+                for p in model.parameters():
+                    p.grad = torch.zeros_like(p)
+            if clip.private:
+                if norms is not None:
                     norm_sum += float(norms.sum())
-                else:  # the noise alone
-                    losses = torch.zeros(0)
-                    for p in model.parameters():
-                        p.grad = torch.zeros_like(p)
                 if canaries is not None:
                     canaries.add()
-                clip.add_noise(run_plan.sigma, generator=gen)
+                add_noise(model, run_plan.sigma, C, gen)
                 if canaries is not None:
                     canaries.observe()
-            else:
-                opt.zero_grad()
-                losses = example_losses(model, batch) if len(pick) else torch.zeros(0, requires_grad=True)
-                losses.sum().backward()
             for p in model.parameters():
                 if p.grad is not None:
                     p.grad /= run_plan.batch_size
@@ -133,7 +134,7 @@ def run(model, rows: torch.Tensor, mask: torch.Tensor, run_plan: Plan, *, engine
             loss_sum += step_loss
             seen += len(pick)
         history.loss.append(loss_sum / max(seen, 1))
-        history.mean_norm.append(norm_sum / max(seen, 1) if clip is not None else math.nan)
+        history.mean_norm.append(norm_sum / max(seen, 1) if clip.private else math.nan)
         metrics = {"loss": history.loss[-1]}
         if validate is not None:
             found = validate(model)
