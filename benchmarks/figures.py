@@ -29,12 +29,13 @@ ROOT = Path(__file__).resolve().parents[1]
 FIGURES = ("fig1_lowdim", "fig2_highdim", "fig3_overparam", "fig4_robustness")
 
 
-def run_figure(name: str, scratch: Path, device: str) -> tuple[float, float, int, float, float | None]:
+def run_figure(name: str, scratch: Path, device: str, extra: list[str] = ()) -> tuple[float, float, int, float, float | None]:
     """Wall seconds, the cells' summed seconds, the number of cells, peak RSS (GB) and peak device
-    memory (GiB; None on the CPU) of one figure's sweep, run as a child process."""
+    memory (GiB; None on the CPU) of one figure's sweep, run as a child process (``extra``: more
+    overrides, e.g. ``trials=2`` for a dry run)."""
     store = f"sqlite:///{scratch / name / 'mlflow.db'}"
     cmd = [sys.executable, "-m", "pipeline", f"experiment={name}", f"compute.device={device}",
-           f"mlflow.tracking_uri={store}", f"hydra.sweep.dir={scratch / name}", "-m"]
+           f"mlflow.tracking_uri={store}", f"hydra.sweep.dir={scratch / name}", *extra, "-m"]
     start = time.perf_counter()
     with open(scratch / f"{name}.log", "w") as log:
         proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
@@ -113,6 +114,7 @@ def main() -> None:
     parser.add_argument("--only", choices=("figures", "cell"), help="run only one part")
     parser.add_argument("--trials", type=int, default=500, help="B of the side-by-side cell")
     parser.add_argument("--device", default="auto", help="compute.device: auto, cpu, cuda or cuda:N (default auto)")
+    parser.add_argument("--overrides", nargs="*", default=[], help="more overrides for every figure (a dry run: trials=2)")
     args = parser.parse_args()
     from pipeline import device
     from pipeline.validation import ConfigError
@@ -129,7 +131,7 @@ def main() -> None:
                   f"{'peak GPU memory':>16}")
             for name in FIGURES:
                 (Path(tmp) / name).mkdir()
-                seconds, compute, n, peak, gpu = run_figure(name, Path(tmp), str(dev))
+                seconds, compute, n, peak, gpu = run_figure(name, Path(tmp), str(dev), args.overrides)
                 totals[0] += seconds
                 totals[1] += compute
                 totals[2] += n

@@ -1,86 +1,113 @@
 #!/usr/bin/env bash
-# The GPU checks of issue 19, in one script, for a machine with CUDA (docs/running.md, "GPUs"):
+# The GPU checks (issue 42) in two device calls of under 8 minutes each, for a session lent a GPU
+# for 15 minutes in all (README, "Running the GPU checks"):
 #
-#   bash benchmarks/gpu_checks.sh OUTDIR [PART ...]      # PART: env tests step figures amazon (default: all)
+#   bash benchmarks/gpu_checks.sh OUTDIR 1          # call 1: env tests step clipping figures (at most 470 s)
+#   bash benchmarks/gpu_checks.sh OUTDIR 2          # call 2: amazon (at most 470 s)
+#   bash benchmarks/gpu_checks.sh OUTDIR PART ...   # single parts: env tests step clipping figures amazon
+#   DRY=1 bash benchmarks/gpu_checks.sh OUTDIR 1 2  # on the CPU at tiny sizes: every command, override and
+#                                                   # path of both calls runs once, so none fails on the device
 #
-#   env      nvidia-smi, torch's version and the device torch sees                 -> OUTDIR/env.txt
-#   tests    the CUDA-marked tests (tests/test_device.py), skips listed             -> OUTDIR/tests.log
-#   step     Figure 3's step benchmark at the Amazon scale (L = 50, M = 23,715) at B = 256, 1024
-#            and 4096: non-private, Phantom (book-keeping and second backward), Opacus per-sample,
-#            ghost on the untied model; issue 19's targets: Phantom <= 1.15x the non-private
-#            time and <= 1.05x its peak memory at every B                               -> OUTDIR/step.{log,json,png}
-#   figures  NoisyHead's Figures 1-4 at B = 500 (target: each under 60 s of device time) -> OUTDIR/figures.log
-#   amazon   one run of the paper's protocol at its scale (experiment=dpformer_amazon, 100 epochs,
-#            the full Amazon Games data), the vanilla Transformer and DPFormer, into a scratch
-#            MLflow store; prints each run's device, seconds per epoch, peak memory and test NDCG@10
+#   env       nvidia-smi, python, torch and the device torch sees                    -> OUTDIR/env.txt
+#   tests     the CUDA-marked tests (tests/test_device.py), skips listed             -> OUTDIR/tests.log
+#   step      the step benchmark at the Amazon scale (L = 50, M = 23,715) at B = 256, 1024 and 4096:
+#             non-private, Phantom (book-keeping and second backward), Opacus per-sample, ghost on
+#             the untied model, each against non-private in the same process; targets: Phantom at
+#             most 1.15x the non-private time and 1.05x its peak memory at every B
+#                                                                                  -> OUTDIR/step.{log,json,png}
+#   clipping  the shared engine's benchmark (benchmarks/clipping.py) on the device   -> OUTDIR/clipping.{log,json}
+#   figures   NoisyHead's Figures 1-4 at B = 500 (target: each under 60 s)          -> OUTDIR/figures.log
+#   amazon    the paper's protocol at its scale (experiment=dpformer_amazon, 100 epochs, the full Amazon
+#             Games file, eps = 8, seed 0): the vanilla Transformer and DPFormer run at the same time
+#             on the one GPU (joblib, two processes), into a scratch MLflow store; then each run's
+#             device, seconds per epoch, peak memory, the preflight's estimate and test NDCG@10
 #                                                                                  -> OUTDIR/amazon.log, OUTDIR/mlflow.db
 #
-# Environment: AMAZON (the Amazon Games file; default ../shared/data/amazon-games-sasrec.txt),
-# DEVICE (default cuda), EXTRA (more overrides for the amazon run). Every part stops at its own time limit (PART_TIMEOUT seconds, default 540)
-# and the script goes on with the next; its exit status is the number of parts that failed.
+# The device's image has torch, transformers and tokenizers but not Hydra, MLflow, Opacus or
+# dp-accounting: carry them as wheels (python -m benchmarks.gpu_wheels fills .whl/) and install them
+# first, as README says. Environment: AMAZON (default ../shared/data/amazon-games-sasrec.txt),
+# DEVICE (default cuda; cpu under DRY=1), PYTHON (default python3), EXTRA (more overrides for amazon).
+# Each part stops at its own limit (seconds: LIMITS below) and the script goes on with the next; its
+# exit status is the number of parts that failed.
 set -uo pipefail
 
-if [ $# -lt 1 ]; then
-  echo "usage: bash benchmarks/gpu_checks.sh OUTDIR [env|tests|step|figures|amazon ...]" >&2
+if [ $# -lt 2 ]; then
+  echo "usage: bash benchmarks/gpu_checks.sh OUTDIR {1|2|env|tests|step|clipping|figures|amazon} ..." >&2
   exit 2
 fi
 out=$1; shift
-parts=${*:-env tests step figures amazon}
-device=${DEVICE:-cuda}
-amazon=${AMAZON:-../shared/data/amazon-games-sasrec.txt}
-limit=${PART_TIMEOUT:-540}
-extra=${EXTRA:-}  # more overrides for the amazon part, e.g. EXTRA="seqrec.epochs=1 dataset=amazon_games_cpu" for a quick try
-for part in $parts; do
-  case $part in env|tests|step|figures|amazon) ;; *) echo "error: unknown part '$part' (env, tests, step, figures, amazon)" >&2; exit 2 ;; esac
+parts=()
+for arg in "$@"; do
+  case $arg in
+    1) parts+=(env tests step clipping figures) ;;
+    2) parts+=(amazon) ;;
+    env|tests|step|clipping|figures|amazon) parts+=("$arg") ;;
+    *) echo "error: unknown part '$arg' (1, 2, env, tests, step, clipping, figures, amazon)" >&2; exit 2 ;;
+  esac
 done
+declare -A LIMITS=([env]=20 [tests]=60 [step]=170 [clipping]=60 [figures]=160 [amazon]=450)  # call 1: 470 s, call 2: 450 s
+dry=${DRY:-0}
+device=${DEVICE:-$([ "$dry" = 1 ] && echo cpu || echo cuda)}
+py=${PYTHON:-python3}
+amazon=${AMAZON:-../shared/data/amazon-games-sasrec.txt}
+extra=${EXTRA:-}
 mkdir -p "$out"
-export PYTHONUNBUFFERED=1
+out=$(cd "$out" && pwd)
+export PYTHONUNBUFFERED=1 PYTHONWARNINGS=ignore
 failed=0
 
-run() {  # run NAME LOG COMMAND...: the command's output to the terminal and to LOG, within the time limit
+if [ "$dry" = 1 ]; then  # the same commands at sizes the CPU runs in seconds
+  step_sizes=(--B 4 8 --L 6 --M 50 --repeats 1)
+  clip_sizes=(--V 64 --B 2 --d 8 --layers 1 --T 8 --repeats 1)
+  figure_overrides=(--overrides trials=2 dataset.n_test=20)
+  amazon_sizes=(seqrec.epochs=1 seqrec.batch_size=64 dataset.sample_users=300 dataset.max_items=500)
+else
+  step_sizes=(--B 256 1024 4096 --L 50 --M 23715 --repeats 3)
+  clip_sizes=(--V 8192 32768 50257 --B 8 32 --repeats 3)
+  figure_overrides=()
+  amazon_sizes=(seqrec.batch_size=1024)
+fi
+
+run() {  # run NAME LOG COMMAND...: the command's output to the terminal and to LOG, within NAME's limit
   local name=$1 log=$2; shift 2
-  echo "== $name: $*"
+  echo "== $name (limit ${LIMITS[$name]} s): $*"
   local start=$SECONDS
-  timeout "$limit" "$@" 2>&1 | tee "$log"
+  timeout "${LIMITS[$name]}" "$@" 2>&1 | tee "$log"
   local rc=${PIPESTATUS[0]}
   echo "== $name: exit $rc after $((SECONDS - start)) s"
   [ "$rc" -eq 0 ] || failed=$((failed + 1))
 }
 
-for part in $parts; do
+for part in "${parts[@]}"; do
   case $part in
     env)
-      run env "$out/env.txt" bash -c "nvidia-smi; python -c 'import torch, platform; print(\"python\", platform.python_version(), \"torch\", torch.__version__, \"cuda\", torch.version.cuda); print(\"device\", torch.cuda.get_device_name(0) if torch.cuda.is_available() else \"none\")'" ;;
-    tests)
-      run tests "$out/tests.log" python -m pytest -m cuda tests/test_device.py -rs -p no:cacheprovider ;;
+      run env "$out/env.txt" bash -c "(nvidia-smi || echo 'no nvidia-smi'); $py -c 'import torch, platform; print(\"python\", platform.python_version(), \"torch\", torch.__version__, \"cuda\", torch.version.cuda); print(\"device\", torch.cuda.get_device_name(0) if torch.cuda.is_available() else \"none\")'; $py -c 'import hydra, mlflow, opacus, dp_accounting, transformers, tokenizers; print(\"hydra\", hydra.__version__, \"mlflow\", mlflow.__version__, \"opacus\", opacus.__version__, \"transformers\", transformers.__version__)'" ;;
+    tests)  # a dry run has no CUDA test to run: it collects them
+      run tests "$out/tests.log" "$py" -m pytest -m cuda tests/test_device.py -rs -p no:cacheprovider \
+        $([ "$dry" = 1 ] && echo --collect-only) ;;
     step)
-      run step "$out/step.log" python -m benchmarks.seqrec_step --device "$device" --B 256 1024 4096 --L 50 --M 23715 \
-        --repeats 5 --engines none:transformer phantom:transformer phantom/backward:transformer \
-        per_sample:transformer ghost:transformer_untied --json "$out/step.json" --figure "$out/step.png" ;;
+      run step "$out/step.log" "$py" -m benchmarks.seqrec_step --device "$device" "${step_sizes[@]}" \
+        --engines none:transformer phantom:transformer phantom/backward:transformer per_sample:transformer \
+        ghost:transformer_untied --json "$out/step.json" --figure "$out/step.png" ;;
+    clipping)
+      run clipping "$out/clipping.log" "$py" -m benchmarks.clipping --device "$device" "${clip_sizes[@]}" \
+        --json "$out/clipping.json" ;;
     figures)
-      run figures "$out/figures.log" python -m benchmarks.figures --device "$device" --only figures ;;
+      run figures "$out/figures.log" "$py" -m benchmarks.figures --device "$device" --only figures "${figure_overrides[@]}" ;;
     amazon)
       if [ ! -f "$amazon" ]; then
         echo "== amazon: no file at $amazon (set AMAZON)"; failed=$((failed + 1)); continue
       fi
-      run amazon "$out/amazon.log" python -m pipeline experiment=dpformer_amazon compute.device="$device" \
-        dataset.path="$amazon" "mlflow.tracking_uri=sqlite:///$(cd "$out" && pwd)/mlflow.db" \
-        hydra.sweep.dir="$out/sweep" "model=transformer,dpformer_public" seqrec.lr=0.005 seqrec.batch_size=1024 \
-        seed=0 privacy.eps=8 $extra -m
-      python - "$out/mlflow.db" <<'EOF' | tee -a "$out/amazon.log"
-import sqlite3, sys
-db = sqlite3.connect(sys.argv[1])
-keys = ("compute.device_name", "train.seconds_per_epoch", "compute.peak_memory_gb", "cell.seconds", "test_ndcg10")
-rows = db.execute("select r.name, p.key, coalesce(p.value, '') from runs r join params p on p.run_uuid = r.run_uuid "
-                  "where p.key = 'compute.device_name' union all select r.name, m.key, m.value from runs r "
-                  "join latest_metrics m on m.run_uuid = r.run_uuid").fetchall()
-table = {}
-for name, key, value in rows:
-    if key in keys:
-        table.setdefault(name, {})[key] = value
-for name, values in sorted(table.items()):
-    print(name, " ".join(f"{k}={values.get(k, '-')}" for k in keys))
-EOF
+      # shellcheck disable=SC2086
+      run amazon "$out/amazon.log" "$py" -m pipeline experiment=dpformer_amazon compute.device="$device" \
+        dataset.path="$amazon" "mlflow.tracking_uri=sqlite:///$out/mlflow.db" hydra.sweep.dir="$out/sweep" \
+        "model=transformer,dpformer_public" seqrec.lr=0.005 seed=0 privacy.eps=8 \
+        hydra/launcher=joblib hydra.launcher.n_jobs=2 "${amazon_sizes[@]}" $extra -m
+      # shellcheck disable=SC2086
+      "$py" -m benchmarks.gpu_amazon_summary "sqlite:///$out/mlflow.db" experiment=dpformer_amazon \
+        compute.device="$device" dataset.path="$amazon" seqrec.lr=0.005 seed=0 privacy.eps=8 "${amazon_sizes[@]}" $extra \
+        | tee -a "$out/amazon.log"
+      [ "${PIPESTATUS[0]}" -eq 0 ] || failed=$((failed + 1))
       ;;
   esac
 done
