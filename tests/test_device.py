@@ -316,5 +316,17 @@ def test_the_gpu_checks_script_refuses_an_unknown_part_before_anything(tmp_path)
     done = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu_checks.sh"), str(out), "tests", "bogus"],
                           cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert done.returncode == 2
-    assert done.stderr.strip().splitlines() == ["error: unknown part 'bogus' (env, tests, step, figures, amazon)"]
+    assert done.stderr.strip().splitlines() == [
+        "error: unknown part 'bogus' (1, 2, env, tests, step, clipping, figures, amazon)"]
     assert done.stdout == "" and not out.exists()
+
+
+def test_the_wheels_for_the_gpu_machine_are_what_its_image_lacks():
+    """The device image's packages are not carried; what the checks import that it lacks is, with
+    what those need (walked from this environment's metadata)."""
+    from benchmarks import gpu_wheels
+
+    need = gpu_wheels.missing()
+    assert {"hydra-core", "omegaconf", "antlr4-python3-runtime", "mlflow", "opacus", "dp-accounting"} <= set(need)
+    assert not set(need) & gpu_wheels.IMAGE and "torch" not in need and "numpy" not in need
+    assert all(v for v in need.values())
