@@ -1,8 +1,9 @@
-"""The wheels the GPU machine needs to run ``benchmarks/gpu_checks.sh``: the project's runtime
-packages that its image lacks (the image's package list: ``IMAGE``, as the device library's
-KINDS.md gives it, read 2026-11-17), with their own needs, at the versions this environment has.
+"""What the GPU machine needs to run ``benchmarks/gpu_checks.sh`` and does not have: the wheels of
+the project's runtime packages that its image lacks (the image's package list: ``IMAGE``, as the
+device library's KINDS.md gives it, read 2026-11-17), with their own needs, at the versions this
+environment has; and the Amazon Games file (``../shared`` does not travel to the device).
 
-    python -m benchmarks.gpu_wheels            # list them, download into .whl/ (git-ignored), check the size
+    python -m benchmarks.gpu_wheels            # list them, download into .whl/, copy the data into .gpu_data/
     python -m benchmarks.gpu_wheels --list     # only list
 
 Each wheel is fetched for CPython 3.12 on manylinux x86-64 (the image's Python), without its
@@ -82,6 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--list", action="store_true", help="only list the wheels")
     parser.add_argument("--dest", default=".whl")
+    parser.add_argument("--data", default="../shared/data/amazon-games-sasrec.txt", help="copied into .gpu_data/")
     args = parser.parse_args(argv)
     need = missing()
     for n, v in need.items():
@@ -110,13 +112,21 @@ def main(argv: list[str] | None = None) -> int:
                       file=sys.stderr)
                 return 1
             print(f"  built {pure[0].name} (no wheel published; pure Python)")
+    data = Path(args.data)
+    if not data.is_file():
+        print(f"error: --data: no such file {str(data)!r}", file=sys.stderr)
+        return 1
+    Path(".gpu_data").mkdir(exist_ok=True)
+    copy = Path(".gpu_data") / data.name
+    copy.write_bytes(data.read_bytes())
     wheels = sorted(dest.glob("*.whl"))
-    total = sum(w.stat().st_size for w in wheels) / 2**20
+    total = (sum(w.stat().st_size for w in wheels) + copy.stat().st_size) / 2**20
+    print(f"  {copy.stat().st_size / 2**20:6.1f} MiB  {copy} (the Amazon Games file)")
     for w in sorted(wheels, key=lambda w: -w.stat().st_size)[:8]:
         print(f"  {w.stat().st_size / 2**20:6.1f} MiB  {w.name}")
-    print(f"{len(wheels)} wheels, {total:.1f} MiB in {dest}/ (limit {LIMIT_MIB} MiB)")
+    print(f"{len(wheels)} wheels in {dest}/ and the data: {total:.1f} MiB (limit {LIMIT_MIB} MiB)")
     if total > LIMIT_MIB:
-        print(f"error: the wheels take {total:.1f} MiB, over the {LIMIT_MIB} MiB a device call can carry", file=sys.stderr)
+        print(f"error: they take {total:.1f} MiB, over the {LIMIT_MIB} MiB a device call can carry", file=sys.stderr)
         return 1
     return 0
 

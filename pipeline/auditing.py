@@ -209,9 +209,9 @@ def _largest_rejected(rejected, eps_hi: float = 1.0) -> float:
         return 0.0
     lo, hi = 0.0, eps_hi
     while rejected(hi) > 0:
-        lo, hi = hi, 2 * hi
-        if hi > 1e3:  # every finite claim rejected: no noise at all
+        if hi > 1e3:  # every claim up to 1,000 rejected: no noise at all
             return math.inf
+        lo, hi = hi, 2 * hi
     return float(optimize.brentq(rejected, lo, hi, xtol=1e-6))
 
 
@@ -242,11 +242,18 @@ def _fdp_rejected(m: int, k: int, v: int, alpha: float, delta: float):
 
 
 def one_run_eps(m: int, k: int, v: int, *, delta: float, alpha: float, bound: str = "binomial") -> float:
-    """The lower bound on eps, at level ``alpha`` (probability of a wrong bound), from ``v``
-    correct of ``k`` guesses on ``m`` canaries: the largest eps whose claim (eps, delta) the
-    outcome rejects; 0 where it rejects none."""
+    """From ``v`` correct of ``k`` guesses on ``m`` canaries, at level ``alpha`` (probability of a
+    wrong answer): the largest eps whose claim the outcome rejects; 0 where it rejects none.
+
+    ``binomial``: the claim is (eps, delta)-DP, so this is a lower bound on the mechanism's eps.
+    ``fdp``: the claim is "as private as the Gaussian mechanism exactly (eps, delta)-DP" (a
+    Gaussian trade-off function). That is a lower bound on eps only for mechanisms whose trade-off
+    is Gaussian; subsampled DP-SGD's is not, and randomized-response canaries that are exactly
+    eps-DP get values above eps (``tests/test_one_run.py``). Never quote it as a bound on eps."""
     if not 0 <= v <= k <= m:
         raise ValueError(f"need 0 <= v <= k <= m, got v={v}, k={k}, m={m}")
+    if bound == "fdp" and not 0 < delta < 1:
+        raise ValueError(f"the f-DP test needs delta in (0, 1) (a Gaussian claim at delta = 0 is no DP claim), got {delta}")
     if k == 0 or v == 0:
         return 0.0
     if bound == "binomial":
@@ -270,7 +277,7 @@ def one_run_ceiling(m: int, *, delta: float, confidence: float = 0.95, guesses: 
 @dataclass(frozen=True)
 class OneRun:
     bound: str  # "binomial" (Steinke et al.) or "fdp" (Mahloujifar et al., Gaussian trade-off)
-    eps_lower: float  # the lower bound on eps at the audit's confidence
+    eps_lower: float  # binomial: the lower bound on eps at the audit's confidence; fdp: the largest Gaussian claim rejected (no bound on eps)
     m: int  # canaries
     k_plus: int  # guesses "in" (highest scores)
     k_minus: int  # guesses "out" (lowest scores)
@@ -322,13 +329,20 @@ def one_run_bound(scores: np.ndarray, included: np.ndarray, *, delta: float, con
                   candidates=len(guesses))
 
 
-def one_run_power(m: int, eps_alt: float, *, delta: float, confidence: float = 0.95,
-                  guesses: tuple[int, ...] | None = None, sides: str = "two", bound: str = "binomial") -> float:
+def one_run_power(m: int, eps_alt: float | None = None, *, delta: float, confidence: float = 0.95,
+                  guesses: tuple[int, ...] | None = None, sides: str = "two", bound: str = "binomial",
+                  mu: float | None = None) -> float:
     """The bound the audit reaches, at expected counts, when each canary's score is N(mu, 1) if
-    included and N(0, 1) if not, mu that of the Gaussian mechanism exactly (eps_alt, delta)-DP
-    (the strongest canary such a mechanism allows: a white-box canary in a single Gaussian release):
-    how large a violation m canaries can show at all."""
-    mu = 1.0 / privacy.gaussian_multiplier(eps=eps_alt, delta=delta)
+    included and N(0, 1) if not: how large a violation m canaries can show at all. Give the
+    audit's own ``mu`` where its statistic is known (a DP-SGD run's Dirac canaries: the plan's
+    q sqrt(T) / sqrt(sigma^2 + q (1 - q)) at the alternative's sigma); with ``eps_alt`` alone, mu
+    is that of the Gaussian mechanism exactly (eps_alt, delta)-DP, the strongest canary such a
+    mechanism allows (a white-box canary in a single Gaussian release), which overstates the
+    power of an audit whose statistic sees less (a subsampled run's sum score)."""
+    if mu is None:
+        if eps_alt is None:
+            raise ValueError("one_run_power needs eps_alt or mu")
+        mu = 1.0 / privacy.gaussian_multiplier(eps=eps_alt, delta=delta)
     guesses = tuple(int(k) for k in (guesses or (m,)))
     alpha = (1 - confidence) / len(guesses)
     best = 0.0

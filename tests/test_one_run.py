@@ -151,3 +151,26 @@ def test_guesses_and_refusals():
     with pytest.raises(ValueError, match=r"guess count must lie in \[1, 5\]"):
         auditing.one_run_bound(scores, np.ones(5, bool), delta=1e-5, guesses=(6,))
     assert auditing.one_run_eps(10, 0, 0, delta=1e-5, alpha=0.05) == 0.0
+
+
+def test_the_f_dp_value_is_no_bound_on_eps_for_a_non_gaussian_mechanism():
+    """Randomized-response canaries exactly eps-DP (delta = 0 even): at the expected count of
+    correct guesses the f-DP test rejects Gaussian claims well above eps, while the binomial bound
+    stays below it. The f-DP value is therefore never reported as a bound on eps."""
+    m, eps = 1000, 2.0
+    v = int(round(m * math.exp(eps) / (1 + math.exp(eps))))
+    assert auditing.one_run_eps(m, m, v, delta=1e-5, alpha=0.05, bound="fdp") > 1.3 * eps
+    assert auditing.one_run_eps(m, m, v, delta=1e-5, alpha=0.05) < eps
+    with pytest.raises(ValueError, match="the f-DP test needs delta in"):
+        auditing.one_run_eps(m, m, v, delta=0.0, alpha=0.05, bound="fdp")
+
+
+def test_power_from_the_audits_own_statistic():
+    """Given mu, the power is that of N(mu, 1) against N(0, 1) scores; a smaller mu, less power."""
+    strong = auditing.one_run_power(2000, delta=1e-5, mu=2.0)
+    weak = auditing.one_run_power(2000, delta=1e-5, mu=0.5)
+    assert strong > weak > 0
+    assert auditing.one_run_power(2000, delta=1e-5, mu=1.0 / privacy.gaussian_multiplier(eps=4.0, delta=1e-5)) == \
+        auditing.one_run_power(2000, 4.0, delta=1e-5)
+    with pytest.raises(ValueError, match="needs eps_alt or mu"):
+        auditing.one_run_power(2000, delta=1e-5)

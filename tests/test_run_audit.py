@@ -69,7 +69,7 @@ def test_a_dp_sgd_run_is_audited_its_controls_raise_the_bound_and_no_noise_is_ca
                           lr=1e-2, m=1000, seed=0) for v in ("engine", "noise_halved", "no_noise")}
     engine, halved, bare = found["engine"], found["noise_halved"], found["no_noise"]
     assert engine["verdict"] != "violation" and engine["eps_lower"] < 1.0
-    assert halved["mu_used"] == pytest.approx(2 * engine["mu_used"])
+    assert 1.8 * engine["mu_used"] < halved["mu_used"] <= 2 * engine["mu_used"]  # q(1 - q) adds to both variances
     assert halved["eps_lower"] > engine["eps_lower"]
     assert bare["verdict"] == "violation" and bare["eps_lower"] > 1.0
     # at this size a 2x violation of eps = 1 cannot be shown: said, not hidden
