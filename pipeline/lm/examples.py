@@ -85,7 +85,8 @@ def evaluate(model, rows: torch.Tensor, mask: torch.Tensor, batch_size: int = 64
     for i in range(0, rows.shape[0], batch_size):
         r, m = rows[i : i + batch_size], mask[i : i + batch_size]
         n, T = r.shape
-        logits = _wide(model(input_ids=r[:, :-1], position_ids=torch.arange(T - 1).expand(n, T - 1)).logits)
+        positions = torch.arange(T - 1, device=r.device).repeat(n, 1)
+        logits = _wide(model(input_ids=r[:, :-1].contiguous(), position_ids=positions).logits)
         losses = F.cross_entropy(logits.transpose(1, 2), r[:, 1:], reduction="none")
         loss_sum += float(losses[m].double().sum())
         correct += int((logits.argmax(-1) == r[:, 1:])[m].sum())
