@@ -111,3 +111,24 @@ def test_the_ablation_table_quotes_the_committed_means_and_gains():
             if row:
                 pct = lambda key: f"{100 * float(row[key]):+.2f}"
                 assert gain == f"{pct('gain_mean')}% [{pct('ci_low')}, {pct('ci_high')}]", (model, eps, gain)
+
+
+def figure3_rows() -> list[str]:
+    """docs/dpformer.md's Figure 3 table, row by row, as artifacts/dpformer_fig3/efficiency.json
+    (the stage's rows) gives it: non-private seconds and peak GB, then time / memory ratios."""
+    rows = json.loads((ROOT / "artifacts" / "dpformer_fig3" / "efficiency.json").read_text())
+    cells = {}
+    for r in rows:
+        cells.setdefault((r["B"], r["M"]), {})[r["engine"]] = r
+    out = []
+    for (B, M), by in sorted(cells.items(), key=lambda kv: (kv[0][1], kv[0][0])):
+        base = by["none"]
+        ratios = " | ".join(f"{by[e]['time_ratio']:.2f} / {by[e]['mem_ratio']:.2f}" for e in ("phantom", "per_sample", "ghost"))
+        out.append(f"| {B} | {M:,} | {base['seconds']:.3f}, {base['peak_gb']:.3f} | {ratios} |")
+    return out
+
+
+def test_the_figure_3_table_is_the_stages_rows():
+    page = (ROOT / "docs" / "dpformer.md").read_text()
+    missing = [row for row in figure3_rows() if row not in page]
+    assert not missing, f"docs/dpformer.md's Figure 3 table is not efficiency.json's: {missing}"
