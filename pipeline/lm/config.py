@@ -1,0 +1,128 @@
+"""Validation of a language-model config (``task: lm``, not registered yet), before anything is
+read, computed or logged: each refusal a :class:`pipeline.validation.ConfigError` naming the key
+and the value (the entry point prints one ``error:`` line, exit 2).
+
+The keys (the groups ``conf/lm/`` will hold; the paper-free defaults are the CPU preset's):
+
+- ``dataset``: ``archive`` (the bydate tarball), ``valid_fraction``, ``posts`` (null: every
+  training post; a count: the first ones, for small presets), ``L`` (tokens per example);
+- ``vocab``: ``kind`` (private or public), ``size`` (BPE's target), ``eps_share`` (the private
+  vocabulary's share of eps and of delta), ``max_pieces`` (a post's contribution);
+- ``model``: ``d``, ``layers``, ``heads``, ``tied``, ``dropout``;
+- ``clipping``: ``name`` (phantom, per_sample, ghost, none), ``C``;
+- ``train``: ``batch_size``, ``epochs``, ``lr``, ``warmup``, ``weight_decay``, ``accountant``;
+- ``privacy``: ``eps``, ``delta`` (the run's whole budget, the vocabulary's share included).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from omegaconf import DictConfig
+
+from pipeline import validation
+from pipeline.lm import engines, vocab
+from pipeline.validation import ConfigError
+
+ACCOUNTANTS = ("rdp", "prv")
+MIN_VOCAB = 257  # the 256 bytes and the end-of-text token: below this BPE cannot encode every text
+MAX_VOCAB = 50257  # GPT-2's vocabulary, the issue's largest
+
+
+@dataclass(frozen=True)
+class Settings:
+    archive: str
+    valid_fraction: float
+    posts: int | None
+    L: int
+    vocab_kind: str
+    vocab_size: int
+    vocab_share: float  # 0 for a public vocabulary
+    max_pieces: int
+    d: int
+    layers: int
+    heads: int
+    tied: bool
+    dropout: float
+    engine: str
+    C: float
+    batch_size: int
+    epochs: int
+    lr: float
+    warmup: float
+    weight_decay: float
+    accountant: str
+    eps: float
+    delta: float
+    seed: int
+
+
+def _unit(value, key: str, *, closed_low: bool = True, closed_high: bool = False) -> float:
+    x = validation.number(value, key)
+    ok = (x >= 0 if closed_low else x > 0) and (x <= 1 if closed_high else x < 1)
+    if not ok:
+        raise ConfigError(f"{key} must lie in {'[' if closed_low else '('}0, 1{']' if closed_high else ')'}, got {value!r}")
+    return x
+
+
+def _choice(value, key: str, known) -> str:
+    if value not in known:
+        raise ConfigError(f"{key} {value!r} is unknown; known: {list(known)}")
+    return value
+
+
+def settings(cfg: DictConfig) -> Settings:
+    """The checked settings of ``cfg``; ConfigError on the first bad value."""
+    for group in ("dataset", "vocab", "model", "clipping", "train", "privacy"):
+        if cfg.get(group) is None:
+            raise ConfigError(f"{group}: task=lm needs a {group} config (use an experiment=lm_* preset)")
+    ds, vc, m, cl, tr, pr = cfg.dataset, cfg.vocab, cfg.model, cfg.clipping, cfg.train, cfg.privacy
+    if not isinstance(ds.archive, str) or not ds.archive:
+        raise ConfigError(f"dataset.archive must be a path, got {ds.archive!r}")
+    valid_fraction = _unit(ds.valid_fraction, "dataset.valid_fraction", closed_low=False)
+    posts = None if ds.posts is None else validation.positive_int(ds.posts, "dataset.posts")
+    L = validation.positive_int(ds.L, "dataset.L")
+    kind = _choice(vc.kind, "vocab.kind", vocab.KINDS)
+    size = validation.positive_int(vc.size, "vocab.size")
+    if not MIN_VOCAB <= size <= MAX_VOCAB:
+        raise ConfigError(f"vocab.size must lie in [{MIN_VOCAB}, {MAX_VOCAB}] (the bytes and end-of-text at least, "
+                          f"GPT-2's vocabulary at most), got {size!r}")
+    share = _unit(vc.eps_share, "vocab.eps_share") if kind == "private" else 0.0
+    if kind == "private" and share == 0:
+        raise ConfigError("vocab.eps_share = 0 with vocab.kind = private: a private vocabulary needs a share of the "
+                          "budget (or use vocab.kind=public, the paper-style assumption)")
+    max_pieces = validation.positive_int(vc.max_pieces, "vocab.max_pieces")
+    d, layers, heads = (validation.positive_int(m[k], f"model.{k}") for k in ("d", "layers", "heads"))
+    if d % heads:
+        raise ConfigError(f"model.d = {d} must be a multiple of model.heads = {heads}")
+    if not isinstance(m.tied, bool):
+        raise ConfigError(f"model.tied must be true or false, got {m.tied!r}")
+    dropout = _unit(m.dropout, "model.dropout")
+    engine = _choice(cl.name, "clipping.name", engines.ENGINES)
+    if engine == "ghost" and m.tied:
+        raise ConfigError("clipping.name = 'ghost' cannot clip a tied model (model.tied = true): Opacus's ghost "
+                          "clipping refuses a parameter used twice; use clipping=phantom, or model.tied=false")
+    C = validation.number(cl.C, "clipping.C")
+    if C <= 0:
+        raise ConfigError(f"clipping.C must be positive, got {cl.C!r}")
+    batch_size = validation.positive_int(tr.batch_size, "train.batch_size")
+    epochs = validation.positive_int(tr.epochs, "train.epochs")
+    lr = validation.number(tr.lr, "train.lr")
+    if lr <= 0:
+        raise ConfigError(f"train.lr must be positive, got {tr.lr!r}")
+    warmup = _unit(tr.warmup, "train.warmup")
+    weight_decay = validation.number(tr.weight_decay, "train.weight_decay")
+    if weight_decay < 0:
+        raise ConfigError(f"train.weight_decay must be >= 0, got {tr.weight_decay!r}")
+    accountant = _choice(tr.accountant, "train.accountant", ACCOUNTANTS)
+    eps = pr.eps if pr.eps == math.inf else validation.number(pr.eps, "privacy.eps")
+    if not (eps > 0 and (eps == math.inf or eps <= validation.MAX_EPS)):
+        raise ConfigError(f"privacy.eps must lie in (0, {validation.MAX_EPS:g}] or be inf, got {pr.eps!r}")
+    if eps == math.inf and kind == "private":
+        raise ConfigError("privacy.eps = inf with vocab.kind = private: an infinite budget selects no vocabulary "
+                          "with noise; use vocab.kind=public for a non-private run")
+    delta = _unit(pr.delta, "privacy.delta", closed_low=False)
+    return Settings(ds.archive, valid_fraction, posts, L, kind, size, share, max_pieces, d, layers, heads, m.tied,
+                    dropout, engine, C, batch_size, epochs, lr, warmup, weight_decay, accountant, eps, delta,
+                    validation.seed(cfg.seed))
