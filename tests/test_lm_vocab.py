@@ -83,15 +83,7 @@ def test_the_released_set_is_eps_delta_dp_in_a_worst_case_search(eps, delta, k):
     (their counts near tau, where a count of 1 matters most) and pieces only it holds. Every split
     of its k pieces, other counts on a grid around tau: the exact hockey-stick divergence of the
     released sets, both directions, is at most delta."""
-    cal = vocab.calibrate(eps=eps, delta=delta, max_pieces=k)
-    grid = sorted({max(1, int(round(cal.tau + s * cal.sigma))) for s in (-1.0, -0.5, 0.0, 0.5)})
-    worst = 0.0
-    for shared in range(k + 1):
-        for base in itertools.product(grid, repeat=shared):
-            before = {f"s{i}": c for i, c in enumerate(base)} | {"other": grid[0]}
-            after = {w: c + (w != "other") for w, c in before.items()} | {f"u{i}": 1 for i in range(k - shared)}
-            p, q = _release_probabilities(after, cal), _release_probabilities(before, cal)
-            worst = max(worst, _hockey_stick(p, q, eps), _hockey_stick(q, p, eps))
+    worst = _worst(vocab.calibrate(eps=eps, delta=delta, max_pieces=k), eps, k)
     assert worst <= delta
     assert worst > delta / 50  # the search reaches the regime the bound is about
 
