@@ -355,3 +355,34 @@ def test_the_projects_next_item_models_match_the_brute_force(cfg_for, model_name
         torch.testing.assert_close(norms, norms_of(grads), rtol=1e-9, atol=1e-12)
     finally:
         del layers.LAYERS[models.TiedEmbedding]
+
+
+def test_opacus_engines_share_the_interface_and_ghost_refuses_a_tie_by_name():
+    """``pipeline.clipping.opacus``: per-sample and ghost give Phantom's norms on an untied model
+    (float64); ghost refuses a tied one before any compute, naming the tied parameter."""
+    from pipeline.clipping import opacus
+
+    def build(tied):
+        torch.manual_seed(0)
+        emb, out = torch.nn.Embedding(11, 4), torch.nn.Linear(4, 11, bias=False)
+        if tied:
+            out.weight = emb.weight
+        return torch.nn.Sequential(emb, torch.nn.Linear(4, 4), out).double()
+
+    def loss_fn(model, ids):
+        logits = model(ids[:, :-1].contiguous())  # Opacus views the ids
+        return torch.nn.functional.cross_entropy(logits.transpose(1, 2), ids[:, 1:], reduction="none").sum(1)
+
+    ids = torch.tensor([[1, 2, 3, 4], [5, 5, 5, 0], [9, 1, 9, 1]])
+    assert opacus.shared_parameters(build(True)) == ["0.weight"] and opacus.shared_parameters(build(False)) == []
+    with pytest.raises(Unsupported, match=r"ghost clipping cannot clip a parameter used twice \(0.weight is tied\)"):
+        opacus.Ghost(build(True), C=1.0)
+    found = {}
+    for name, engine in (("phantom", PhantomClipping), ("per_sample", opacus.PerSample), ("ghost", opacus.Ghost)):
+        model = build(False)
+        model.train()
+        _, norms = engine(model, 0.5).step(loss_fn, ids)
+        found[name] = (norms, [p.grad.clone() for p in model.parameters()])
+    for name in ("per_sample", "ghost"):
+        assert torch.allclose(found[name][0], found["phantom"][0], rtol=1e-10)
+        assert all(torch.allclose(a, b, rtol=1e-9) for a, b in zip(found[name][1], found["phantom"][1]))
