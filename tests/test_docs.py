@@ -49,3 +49,30 @@ def test_readme_links_every_docs_page():
     readme = (ROOT / "README.md").read_text()
     for page in PAGES[1:]:
         assert f"docs/{page.name}" in readme, page.name
+
+
+COPIES = {  # a figure in docs/ -> the DVC output it copies
+    "docs/dpformer_fig2_grid.png": "artifacts/dpformer_fig2/grid.png",
+    "docs/dpformer_fig3.png": "artifacts/dpformer_fig3/efficiency.png",
+    "docs/dpformer_curves.png": "artifacts/dpformer_table1/curves.png",
+    "docs/dpformer_attention.png": "artifacts/dpformer_table1/attention.png",
+    "docs/dpformer_distraction.png": "artifacts/dpformer_distraction/distraction.png",
+}
+
+
+@pytest.mark.parametrize("copy", sorted(COPIES))
+def test_a_figure_copied_into_docs_is_the_artifact_dvc_lock_records(copy):
+    """The copy's bytes have the md5 that the committed dvc.lock records for its artifact (a
+    fresh clone has no artifacts, the lock has their hashes), and every figure in docs/ is either
+    such a copy or not drawn from an artifact at all (screenshots)."""
+    import hashlib
+
+    import yaml
+
+    lock = yaml.safe_load((ROOT / "dvc.lock").read_text())
+    recorded = {o["path"]: o["md5"] for stage in lock["stages"].values() for o in stage.get("outs", [])}
+    assert COPIES[copy] in recorded, f"{COPIES[copy]} is no output in dvc.lock"
+    assert hashlib.md5((ROOT / copy).read_bytes()).hexdigest() == recorded[COPIES[copy]], (
+        f"{copy} is not the {COPIES[copy]} that dvc.lock records: copy the artifact after its rebuild")
+    drawn = {p.relative_to(ROOT).as_posix() for p in (ROOT / "docs").glob("dpformer_*.png")}
+    assert drawn <= set(COPIES), f"figures in docs/ with no recorded artifact: {sorted(drawn - set(COPIES))}"

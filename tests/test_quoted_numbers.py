@@ -132,3 +132,19 @@ def test_the_figure_3_table_is_the_stages_rows():
     page = (ROOT / "docs" / "dpformer.md").read_text()
     missing = [row for row in figure3_rows() if row not in page]
     assert not missing, f"docs/dpformer.md's Figure 3 table is not efficiency.json's: {missing}"
+
+
+def test_readme_quotes_figure_3_from_the_stages_rows():
+    """README's Phantom line: the range of Phantom's and per-sample's time ratios over the four
+    steps Figure 3 draws (the largest B at each M, the largest M at each B), from efficiency.json."""
+    rows = json.loads((ROOT / "artifacts" / "dpformer_fig3" / "efficiency.json").read_text())
+    B, M = max(r["B"] for r in rows), max(r["M"] for r in rows)
+    drawn = [r for r in rows if r["B"] == B or r["M"] == M]
+
+    def span(engine: str) -> str:
+        ratios = [r["time_ratio"] for r in drawn if r["engine"] == engine]
+        return f"{min(ratios):.2f}-{max(ratios):.2f}x"
+
+    phrase = (f"costs {span('phantom')} a non-private step on a 2-core CPU at the four steps Figure 3 draws, "
+              f"against {span('per_sample')} for per-sample gradients")
+    assert phrase in text("README.md"), phrase
