@@ -39,17 +39,14 @@ class DiracCanaries:
         offsets = np.cumsum([0] + sizes)
         which = np.searchsorted(offsets, flat, side="right") - 1
         self.params, self.C, self.q, self.m = params, float(C), float(sample_rate), m
-        self._where = [(int(w), int(f - offsets[w])) for w, f in zip(which, flat)]  # (parameter, flat index)
+        # per parameter holding canaries: (their flat indices in it, their canary numbers)
         self._by_param: dict[int, tuple[torch.Tensor, np.ndarray]] = {}
-        for j, (w, i) in enumerate(self._where):
-            self._by_param.setdefault(w, ([], []))
-            self._by_param[w][0].append(i)
-            self._by_param[w][1].append(j)
-        self._by_param = {w: (torch.tensor(ix), np.array(js)) for w, (ix, js) in self._by_param.items()}
+        for w in np.unique(which):
+            js = np.flatnonzero(which == w)
+            self._by_param[int(w)] = (torch.from_numpy(flat[js] - offsets[w]), js)
         self._gen = torch.Generator().manual_seed(seed + 7919)
         self._sums = np.zeros(m)
         self.sampled = np.zeros(m, dtype=np.int64)  # times each canary was in a step's sample (0 if excluded)
-        self.steps = 0
 
     def add(self) -> None:
         """Each included canary in this step's sample with probability q: C added to its coordinate
@@ -67,7 +64,6 @@ class DiracCanaries:
         """After the noise: add each canary's coordinate of the noisy sum to its score."""
         for w, (ix, js) in self._by_param.items():
             self._sums[js] += self.params[w].grad.detach().view(-1)[ix.to(self.params[w].grad.device)].double().cpu().numpy()
-        self.steps += 1
 
     def scores(self) -> np.ndarray:
         """Each canary's score in units of C (the sum of its noisy coordinates / C)."""

@@ -15,21 +15,18 @@ returns the per-post losses and gradient norms. Noise is added by the training s
 
 from __future__ import annotations
 
-import torch
-
 from pipeline.lm.examples import example_losses
 
 ENGINES = ("phantom", "per_sample", "ghost", "none")
 
-def tied(model) -> bool:
-    return model.lm_head.weight is model.transformer.wte.weight
-
 
 def refusal(name: str, model) -> str | None:
     """Why ``name`` cannot run ``model`` (None if it can)."""
+    from pipeline.clipping.opacus import shared_parameters
+
     if name not in ENGINES:
         return f"clipping {name!r} is unknown; known: {list(ENGINES)}"
-    if name == "ghost" and tied(model):
+    if name == "ghost" and shared_parameters(model):
         return ("clipping=ghost cannot clip a tied model: Opacus's ghost clipping refuses a parameter used "
                 "twice (the tied table); use clipping=phantom, or an untied model")
     return None

@@ -58,14 +58,20 @@ def _wide(logits: torch.Tensor) -> torch.Tensor:
     return logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits
 
 
-def token_losses(model, rows: torch.Tensor) -> torch.Tensor:
-    """(n, L) next-token cross-entropies. Positions are given per row, (n, L): the clipping engine
-    needs every layer's input batch first (Hugging Face defaults to one (1, L) row broadcast)."""
+def _logits_and_losses(model, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(n, L, V) logits and (n, L) next-token cross-entropies of (n, L + 1) rows. Positions are
+    given per row, (n, L): the clipping engine needs every layer's input batch first (Hugging Face
+    defaults to one (1, L) row broadcast); inputs and positions contiguous (Opacus views the ids)."""
     n, T = rows.shape
     inputs = rows[:, :-1].contiguous()
-    positions = torch.arange(T - 1, device=rows.device).repeat(n, 1)  # contiguous: Opacus views the ids
+    positions = torch.arange(T - 1, device=rows.device).repeat(n, 1)
     logits = _wide(model(input_ids=inputs, position_ids=positions).logits)
-    return F.cross_entropy(logits.transpose(1, 2), rows[:, 1:], reduction="none")
+    return logits, F.cross_entropy(logits.transpose(1, 2), rows[:, 1:], reduction="none")
+
+
+def token_losses(model, rows: torch.Tensor) -> torch.Tensor:
+    """(n, L) next-token cross-entropies of (n, L + 1) rows."""
+    return _logits_and_losses(model, rows)[1]
 
 
 def example_losses(model, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
@@ -84,10 +90,7 @@ def evaluate(model, rows: torch.Tensor, mask: torch.Tensor, batch_size: int = 64
     loss_sum, correct, count = 0.0, 0, 0
     for i in range(0, rows.shape[0], batch_size):
         r, m = rows[i : i + batch_size], mask[i : i + batch_size]
-        n, T = r.shape
-        positions = torch.arange(T - 1, device=r.device).repeat(n, 1)
-        logits = _wide(model(input_ids=r[:, :-1].contiguous(), position_ids=positions).logits)
-        losses = F.cross_entropy(logits.transpose(1, 2), r[:, 1:], reduction="none")
+        logits, losses = _logits_and_losses(model, r)
         loss_sum += float(losses[m].double().sum())
         correct += int((logits.argmax(-1) == r[:, 1:])[m].sum())
         count += int(m.sum())

@@ -6,7 +6,7 @@ Privacy accounting (``plan``). The run's (eps, delta) is shared by the private v
 ``vocab=private``: ``vocab_share`` of eps and of delta, ``vocab.py``) and DP-SGD (the rest), by
 basic composition. DP-SGD's noise multiplier is the accountant's smallest for ``steps`` steps of the
 Poisson-subsampled Gaussian mechanism at rate q = B / n (one post added or removed moves the
-clipped sum by at most C: the sensitivity ``PhantomClipping.add_noise`` is calibrated for); an
+clipped sum by at most C: the sensitivity ``add_noise`` is calibrated for); an
 empty Poisson sample still releases the noise, and the accountant counts every step.
 ``clipping=none`` or eps = inf: no noise, no guarantee.
 """
