@@ -1,4 +1,5 @@
-"""Differentially private attention: two tasks (NoisyHead, pipeline/noisyhead/; DPFormer, pipeline/seqrec/)
+"""Differentially private attention: three tasks (NoisyHead, pipeline/noisyhead/; DPFormer, pipeline/seqrec/;
+DP language modelling, pipeline/lm/)
 on shared machinery (this package's modules; README, "Layout")."""
 
 import uuid

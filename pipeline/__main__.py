@@ -1,5 +1,6 @@
 """``python -m pipeline [overrides] [-m]``: compose the config, look up its task, run the cell."""
 
+import errno
 import signal
 import sys
 
@@ -36,6 +37,22 @@ def main(cfg: DictConfig) -> None:
         sys.exit(1)
     except KeyboardInterrupt as stop:  # Ctrl-C: a run it hit ended KILLED (pipeline.tracking.run); no traceback
         _interrupted(stop)
+    except OSError as err:
+        if err.errno not in FULL or _in_a_sweep():
+            raise  # a sweep's cell: Hydra records it FAILED and the sweep goes on
+        print(f"error: {full_disk(err)}", file=sys.stderr)
+        sys.exit(1)
+
+
+FULL = (errno.ENOSPC, errno.EDQUOT)  # the disk (or the user's quota) is full
+
+
+def full_disk(err: OSError) -> str:
+    """One line for a run that the disk stopped: what could not be written, and that a run it hit
+    ended FAILED with the reason (pipeline.tracking.run), in place of a chained traceback."""
+    where = f" writing {err.filename}" if err.filename else ""
+    return (f"no space left on the device{where} ({err.strerror}); a run it hit ended FAILED with this reason: "
+            f"free some space and launch it again")
 
 
 def _interrupted(stop: KeyboardInterrupt) -> None:

@@ -60,12 +60,12 @@ def unknown_choice(argv: Sequence[str]) -> str | None:
     return None
 
 
-def _task_groups() -> dict[str, set[str]]:
-    """task -> the groups only its folder ``conf/<task>/`` has (``model`` for seqrec, ``regime`` for
-    noisyhead); a group the shared ``conf/`` has, or several tasks have, belongs to none alone."""
-    shared = {p.name for p in CONF.iterdir() if p.is_dir()}
-    found = {root.name: {p.name for p in root.iterdir() if p.is_dir()} - shared for root in ROOTS[1:]}
-    return {task: groups - set().union(*(g for t, g in found.items() if t != task)) for task, groups in found.items()}
+def _homes(group: str, option: str) -> list[str]:
+    """The tasks whose folder ``conf/<task>/<group>/`` has ``option``, or [""] where the shared
+    ``conf/<group>/`` has it (every task's then)."""
+    if (CONF / group / f"{option}.yaml").is_file():
+        return [""]
+    return [root.name for root in ROOTS[1:] if (root / group / f"{option}.yaml").is_file()]
 
 
 def _task(argv: Sequence[str]) -> str | None:
@@ -86,24 +86,38 @@ def _task(argv: Sequence[str]) -> str | None:
 
 
 def other_tasks_group(argv: Sequence[str]) -> str | None:
-    """The error message for the first override choosing a group of a task the command does not run
-    (``model=dpformer`` in a NoisyHead run: Hydra's advice, +model=dpformer, ran NoisyHead and ignored
-    it; ``regime=highdim`` in a DPFormer run was ignored too), or None."""
+    """The error message for the first override choosing an option that only other tasks' folders
+    have (``model=dpformer`` in a NoisyHead run: Hydra's advice, +model=dpformer, ran NoisyHead and
+    ignored it; ``regime=highdim`` in a DPFormer run was ignored too; ``model=dpformer`` in a
+    language-model run, whose own ``model`` group has other options), or None. Groups are judged by
+    option, not by name: several tasks have a ``model`` or a ``dataset`` group."""
     task = _task(argv)
     if task is None:
         return None
-    for other, groups in _task_groups().items():
-        if other == task:
+    for arg in argv:
+        match = _GROUP.match(arg)
+        if not match or match.group(1) in ("task", "experiment"):
             continue
-        for arg in argv:
-            match = _GROUP.match(arg)
-            if match and match.group(1) in groups:
-                group = match.group(1)
-                presets = sorted(p.stem for p in (CONF / other / "experiment").glob("*.yaml"))
-                hint = (f"choose one of its experiments with it ({', '.join(f'experiment={e}' for e in presets[:3])}, "
-                        f"...: conf/{other}/experiment/)" if other != tasks.DEFAULT else "drop it")
-                return (f"{arg}: {group} is a config group of task={other} (conf/{other}/{group}/), and this command "
-                        f"runs task={task}, which would ignore it; {hint}")
+        group = match.group(1)
+        value = arg.split("=", 1)[1].strip()
+        if value.startswith("[") and value.endswith("]"):
+            value = value[1:-1]
+        if "$" in value or "(" in value:
+            continue
+        for choice in (v.strip() for v in value.split(",")):
+            homes = _homes(group, choice) if choice and choice != "null" else []
+            if not homes or "" in homes or task in homes:
+                continue
+            other = homes[0]
+            presets = sorted(p.stem for p in (CONF / other / "experiment").glob("*.yaml"))
+            hint = (f"choose one of its experiments with it ({', '.join(f'experiment={e}' for e in presets[:3])}, "
+                    f"...: conf/{other}/experiment/)" if other != tasks.DEFAULT else "drop it")
+            own = sorted(p.stem for p in (CONF / task / group).glob("*.yaml"))
+            runs = (f"whose {group} options are {own}" if own else "which would ignore it")
+            owners = " and ".join(f"task={h}" for h in homes)
+            return (f"{arg}: {choice} is an option of the config group {group} of {owners} only "
+                    f"({', '.join(f'conf/{h}/{group}/' for h in homes)}), and this command runs task={task}, "
+                    f"{runs}; {hint}")
     return None
 
 
@@ -134,10 +148,35 @@ def _compose(config_name: str, overrides: list[str]):
         return compose(config_name, overrides=overrides)
 
 
+def _added_typo(parsed, composed) -> str | None:
+    """The error message for a ``+section.key=value`` that adds a key beside a close existing one
+    (``+privacy.epsilon=0.01`` beside ``privacy.eps``: Hydra adds it, no code reads it, and the run
+    went on at the default eps), or None. A key with no close neighbour is added as asked."""
+    import difflib
+
+    from omegaconf import DictConfig, OmegaConf
+
+    for o in parsed:
+        line = o.input_line or ""
+        if not line.startswith("+") or line.startswith("++") or "." not in o.key_or_group:
+            continue
+        parent, _, leaf = o.key_or_group.rpartition(".")
+        node = OmegaConf.select(composed, parent)
+        if not isinstance(node, DictConfig):
+            continue
+        keys = sorted(str(k) for k in node.keys() if str(k) != leaf)
+        close = difflib.get_close_matches(leaf, keys, n=1)
+        if close:
+            return (f"{line}: {o.key_or_group} is not a key of the config ({parent} has: {', '.join(keys)}); "
+                    f"did you mean {parent}.{close[0]}? (+ adds a key that nothing reads)")
+    return None
+
+
 def unknown_key(argv: Sequence[str], config_name: str = "config") -> str | None:
     """The error message for an override that sets a key the composed config does not have
-    (``privacy.epss=0.2``: Hydra's "Could not override"), with the keys beside it and the closest, or
-    None. Composes the first cell of a sweep (each swept value's first), about 0.1 s."""
+    (``privacy.epss=0.2``: Hydra's "Could not override"), with the keys beside it and the closest,
+    or that adds one beside a close existing key (``+privacy.epsilon=0.01``), or None. Composes the
+    first cell of a sweep (each swept value's first), about 0.1 s."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
     from hydra.errors import ConfigCompositionException
     from omegaconf import DictConfig, OmegaConf
@@ -168,8 +207,8 @@ def unknown_key(argv: Sequence[str], config_name: str = "config") -> str | None:
         if "." not in o.key_or_group or o.get_key_element()[:1] in "+~":
             choices.append((o.key_or_group, line))
     try:
-        _compose(config_name, first)
-        return None
+        composed = _compose(config_name, first)
+        return _added_typo(parsed, composed)
     except ConfigCompositionException as err:
         found = re.match(r"Could not override '([^']+)'", str(err))
         if not found or not isinstance(err.__cause__, (ConfigAttributeError, ConfigKeyError)):

@@ -114,14 +114,27 @@ def stable(page: str) -> str:
                                       "and the parent run's artifacts)</p>", page, flags=re.S)
 
 
+def _swept_note(swept: dict[str, list[str]] | None) -> list[str]:
+    """A paragraph naming each key the cells vary and its values (the config below is the first
+    cell's: an N = 1000,2000 sweep's shows N: 1000), or nothing for a single cell."""
+    varied = {key: values for key, values in (swept or {}).items() if len(values) > 1}
+    if not varied:
+        return []
+    items = "".join(f"<li><code>{html.escape(key)}</code>: {html.escape(', '.join(values))}</li>"
+                    for key, values in varied.items())
+    return [f"<p>The first cell's config; across the cells these keys take the values:</p><ul>{items}</ul>"]
+
+
 def write_html(path: Path, title: str, command: str, config_yaml: str, table: pd.DataFrame,
                figures: Sequence[Path], runs: Sequence[tuple[str, str, dict]], parent: str | None = None,
-               caption: str = "mean (sd) across trials, one row per cell in sweep order") -> Path:
+               caption: str = "mean (sd) across trials, one row per cell in sweep order",
+               swept: dict[str, list[str]] | None = None) -> Path:
     """``report.html``: self-contained (every figure inlined), readable without a server. ``runs``:
     per cell, its name, MLflow run id and what it ran on (``Cell.finished``'s ``compute``): the
     cells table shows the device (its name, and the torch device: ``cuda:0``), the cell's
     seconds, seconds per epoch (DPFormer) and peak memory (of the GPU; on the CPU, the process's
-    peak resident set)."""
+    peak resident set). ``swept`` (``grid`` of the cells' overrides): the keys the cells vary, said
+    above the config, which is the first cell's."""
     esc = html.escape
     parts = [
         "<!doctype html><html><head><meta charset='utf-8'>",
@@ -148,7 +161,7 @@ def write_html(path: Path, title: str, command: str, config_yaml: str, table: pd
                  if compute.get("device") else compute.get("device_name")}
         parts.append(f"<tr><td>{esc(name)}</td><td><code>{esc(run_id)}</code></td>"
                      + "".join(f"<td>{esc(_compute_value(where.get(k)))}</td>" for k in shown) + "</tr>")
-    parts += [f"</table>{VOLATILE[1]}", f"<h2>Config</h2><pre>{esc(config_yaml)}</pre>", "</body></html>"]
+    parts += [f"</table>{VOLATILE[1]}", "<h2>Config</h2>", *_swept_note(swept), f"<pre>{esc(config_yaml)}</pre>", "</body></html>"]
     path = Path(path)
     path.write_text("\n".join(parts), encoding="utf-8")
     return path

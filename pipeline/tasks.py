@@ -1,8 +1,9 @@
 """The task registry: the one place that knows every task, by name.
 
-``task: noisyhead`` (the default: NoisyHead's in-context learning, ``pipeline/noisyhead/``) and
+``task: noisyhead`` (the default: NoisyHead's in-context learning, ``pipeline/noisyhead/``),
 ``task: seqrec`` (DPFormer's next-item prediction, ``pipeline/seqrec/``, set by the
-``experiment=dpformer_*`` presets). Each entry names the module whose ``TASK`` implements
+``experiment=dpformer_*`` presets) and ``task: lm`` (DP language modelling on 20 Newsgroups,
+``pipeline/lm/``, set by the ``experiment=lm_*`` presets). Each entry names the module whose ``TASK`` implements
 ``pipeline.task.Task``, imported only when the task is used (a refused config does not wait
 for MLflow or torch to load), and the task's config groups, ``conf/<name>/`` (Hydra's search
 path: ``hydra_plugins/pipeline_sweeper/searchpath.py``). Adding a task: README, "Adding a task".
@@ -22,6 +23,7 @@ CONF = Path(__file__).resolve().parents[1] / "conf"
 TASKS = {  # name -> the module whose TASK implements it
     "noisyhead": "pipeline.noisyhead.task",
     "seqrec": "pipeline.seqrec.task",
+    "lm": "pipeline.lm.task",
 }
 DEFAULT = "noisyhead"
 

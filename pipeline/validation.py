@@ -9,7 +9,10 @@ logged or created. Each task's own rules live in its ``config`` module
 
 from __future__ import annotations
 
+import errno
 import math
+import os
+import stat
 
 
 class ConfigError(ValueError):
@@ -74,3 +77,25 @@ def epsilon(value, key: str = "privacy.eps") -> float:
         raise ConfigError(f"{key} = {value!r}: a finite eps above {MAX_EPS:g} promises nothing (a factor e^{MAX_EPS:g}) "
                           "and DP-SGD's noise cannot be calibrated to it; use inf for no noise")
     return float(value)
+
+
+_KINDS = ((stat.S_ISDIR, "a folder"), (stat.S_ISFIFO, "a named pipe (FIFO)"), (stat.S_ISCHR, "a character device"),
+          (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"))
+
+
+def not_a_file(path) -> str | None:
+    """Why a data path is no regular file ("no such file", "a folder, not a file", "a symbolic link
+    loop", ...), or None where it is one (a symbolic link to a file is one). A folder, FIFO or
+    /dev/zero was refused as "no such file"; the message now says what is there."""
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        return "a broken symbolic link (its target does not exist)" if os.path.islink(path) else "no such file"
+    except OSError as err:
+        if err.errno == errno.ELOOP:
+            return "a symbolic link loop, not a file"
+        return f"not readable ({err.strerror})"
+    if stat.S_ISREG(mode):
+        return None
+    kind = next((name for test, name in _KINDS if test(mode)), "not a regular file")
+    return f"{kind}, not a file"

@@ -342,17 +342,35 @@ def test_a_group_of_the_other_task_is_refused_naming_it():
     from pipeline.overrides import other_tasks_group
 
     for args in (["model=dpformer"], ["+model=dpformer"], ["clipping=phantom", "trials=4"]):
+        group, choice = args[0].lstrip("+").split("=")
         message = other_tasks_group(args)
-        assert message.startswith(f"{args[0]}: {args[0].lstrip('+').split('=')[0]} is a config group of task=seqrec"), message
-        assert "this command runs task=noisyhead" in message and "experiment=dpformer_ci" in message, message
+        assert message.startswith(f"{args[0]}: {choice} is an option of the config group {group} of task=seqrec"), message
+        assert "this command runs task=noisyhead, which would ignore it" in message, message
+        assert "experiment=dpformer_ci" in message, message
     message = other_tasks_group(["experiment=dpformer_ci", "regime=highdim"])
-    assert message.startswith("regime=highdim: regime is a config group of task=noisyhead"), message
+    assert message.startswith("regime=highdim: highdim is an option of the config group regime of task=noisyhead"), message
     assert message.endswith("runs task=seqrec, which would ignore it; drop it"), message
-    assert other_tasks_group(["task=seqrec", "method=[ridge]"]).startswith("method=[ridge]: method is")
+    assert other_tasks_group(["task=seqrec", "method=[ridge]"]).startswith("method=[ridge]: ridge is an option")
+    # a group several tasks have is judged by option: the running task's own options are named
+    message = other_tasks_group(["task=seqrec", "dataset=newsgroups"])
+    assert message.startswith("dataset=newsgroups: newsgroups is an option of the config group dataset of task=noisyhead"), message
+    assert "whose dataset options are [" in message and "'amazon_games'" in message, message
     for fine in (["experiment=dpformer_ci", "model=gru", "clipping=ghost"], ["regime=highdim", "attack=perturb"],
                  ["experiment=fig1_lowdim,dpformer_ci", "model=gru"],  # a sweep over both tasks: Hydra's to judge
                  ["experiment=dpformer_ci", "~regime"], ["dataset=newsgroups"], ["experiment=dpformer_ci", "dataset=movielens"]):
         assert other_tasks_group(fine) is None, fine
+
+
+def test_a_key_added_beside_a_close_one_is_refused_and_a_new_one_is_added():
+    """+privacy.epsilon=0.01 ran at the default eps with an unread epsilon beside it: now one error
+    naming the close key; a + key with no close neighbour is still Hydra's to add."""
+    from pipeline.overrides import unknown_key
+
+    message = unknown_key(["+privacy.epsilon=0.01"])
+    assert message.startswith("+privacy.epsilon=0.01: privacy.epsilon is not a key"), message
+    assert "did you mean privacy.eps?" in message, message
+    assert unknown_key(["+privacy.note=1"]) is None
+    assert unknown_key(["++privacy.eps=0.5"]) is None
 
 
 def test_a_key_given_twice_is_said_and_an_unknown_option_gets_the_closest():

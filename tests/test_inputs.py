@@ -58,6 +58,7 @@ CASES = {
     "report_dir_read_only": (("report.dir={ro}/report",), "report.dir", "{ro}/report"),
     "n_test_huge": (("dataset.n_test=100000000",), "dataset.n_test", "100000000"),
     "key_typo": (("privacy.epss=0.2",), "privacy.epss", "0.2"),
+    "added_key_typo": (("+privacy.epsilon=0.01",), "+privacy.epsilon", "0.01"),  # ran at eps = 0.2 before
     # numbers that pass a type check but overflow or underflow what is derived from them
     "tau_overflows_C": (("regime.tau=1e200",), "regime.tau", "1e+200"),
     "G_overflows_the_step_rule": (("regime.G=1e100",), "regime.G", "1e+100"),

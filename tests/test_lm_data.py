@@ -64,6 +64,8 @@ def test_read_cleans_every_post_and_drops_empty_ones(tmp_path):
 def test_read_refuses_what_it_cannot_use(tmp_path):
     with pytest.raises(data.DataError, match="^dataset.archive: no such file"):
         data.read(tmp_path / "missing.tar.gz")
+    with pytest.raises(data.DataError, match="^dataset.archive: '.*' is a folder, not a file"):
+        data.read(tmp_path)
     bad = tmp_path / "bad.tar.gz"
     bad.write_bytes(b"\x1f\x8b not really gzip")
     with pytest.raises(data.DataError, match="is not a readable 20news-bydate tarball"):

@@ -80,6 +80,19 @@ def test_report_html_is_self_contained(tmp_path):
     assert "<th>device</th><th>seconds</th><th>peak memory (GiB)</th>" in html and "s / epoch" not in html
     assert "<td>NVIDIA H100 (cuda:0)</td><td>12.3</td><td>1.5</td>" in html
     assert "<td><code>def456</code></td><td></td><td></td><td></td>" in html
+    assert "across the cells" not in html  # no swept keys given: the config is all there is
+
+
+def test_report_html_says_which_keys_the_cells_vary(tmp_path):
+    """The Config section is the first cell's (an N = 1000,2000 sweep showed N: 1000 alone): the
+    keys the cells vary are listed above it with every value; a key one value only is not."""
+    table = pd.DataFrame({"N": ["1000", "2000"]})
+    overrides = [["regime.N=1000", "seed=0"], ["regime.N=2000", "seed=0"]]
+    page = report.write_html(tmp_path / "report.html", "t", "python -m pipeline -m", "regime:\n  N: 1000\n", table, [],
+                             [(" ".join(o), f"r{i}", {}) for i, o in enumerate(overrides)], swept=report.grid(overrides))
+    html = page.read_text()
+    assert "<li><code>regime.N</code>: 1000, 2000</li>" in html and "<code>seed</code>" not in html
+    assert html.index("across the cells") < html.index("N: 1000")
 
 
 def test_collect_returns_cells_in_grid_order_not_folder_order(tmp_path):

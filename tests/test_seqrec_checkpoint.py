@@ -4,7 +4,9 @@
 from __future__ import annotations
 
 import dataclasses
+import errno
 import io
+import os
 import signal
 import subprocess
 import sys
@@ -60,6 +62,35 @@ def test_a_stopped_run_resumes_to_the_uninterrupted_numbers(cfg_for, tmp_path, m
 
 
 @pytest.mark.slow
+def test_a_checkpoint_the_disk_cannot_hold_leaves_no_temporary_file(tmp_path, monkeypatch):
+    """A full disk while saving: the error goes up (the run ends FAILED), the earlier checkpoint
+    stays whole, and no checkpoint.<pid>.tmp is left in the run's folder."""
+    model = torch.nn.Linear(3, 2)
+    opt = torch.optim.Adam(model.parameters())
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+    history = train.History()
+    path = tmp_path / checkpoint.NAME
+    save = dict(key={"k": 1}, model=model, opt=opt, sched=sched, gen=torch.Generator(), history=history, accountant={})
+    checkpoint.save(path, epoch=1, **save)
+    before = path.read_bytes()
+
+    def full(src, dst):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(src))
+
+    monkeypatch.setattr(checkpoint.os, "replace", full)
+    with pytest.raises(OSError, match="No space left"):
+        checkpoint.save(path, epoch=2, **save)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [checkpoint.NAME] and path.read_bytes() == before
+
+
+def test_a_full_disk_is_one_error_line():
+    from pipeline.__main__ import full_disk
+
+    err = OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), "outputs/runs/x/curves.png")
+    line = full_disk(err)
+    assert "\n" not in line and "writing outputs/runs/x/curves.png" in line and "ended FAILED" in line
+
+
 def test_a_checkpoint_of_another_config_is_not_resumed(cfg_for, tmp_path):
     cfg = cfg_for("experiment=dpformer_ci", "seqrec.epochs=2")
     seqs = data.load(cfg.dataset, int(cfg.dataset.L), 0)

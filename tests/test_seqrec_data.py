@@ -88,6 +88,34 @@ def test_relative_paths_resolve_against_the_launch_directory(tmp_path, monkeypat
     assert data.resolve("pyproject.toml") == ROOT / "pyproject.toml"  # else the repository root
 
 
+def test_a_data_path_that_is_no_file_is_refused_saying_what_it_is(tmp_path):
+    """A folder, a FIFO, /dev/zero and a symbolic-link loop were all "no such file"; each is now named."""
+    import os
+
+    os.mkfifo(tmp_path / "fifo")
+    (tmp_path / "loop").symlink_to(tmp_path / "loop")
+    (tmp_path / "dangling").symlink_to(tmp_path / "nowhere")
+    for path, what in ((tmp_path, "a folder, not a file"), (tmp_path / "fifo", r"a named pipe \(FIFO\), not a file"),
+                       (Path("/dev/zero"), "a character device, not a file"),
+                       (tmp_path / "loop", "a symbolic link loop, not a file"),
+                       (tmp_path / "dangling", "a broken symbolic link")):
+        with pytest.raises(ConfigError, match=f"^dataset.path = '{path}': {path} is {what}"):
+            data.resolve(str(path))
+    with pytest.raises(ConfigError, match="no such file"):
+        data.resolve(str(tmp_path / "absent.txt"))
+
+
+def test_a_byte_order_mark_is_read_past_and_nul_bytes_are_refused_by_line(tmp_path):
+    bom = tmp_path / "bom.txt"
+    bom.write_bytes(b"\xef\xbb\xbf" + b"1 2\n1 3\n")
+    users, items, _ = data.read_interactions(bom)
+    assert users.tolist() == [1, 1] and items.tolist() == [2, 3]
+    nul = tmp_path / "nul.txt"
+    nul.write_bytes(b"1 2\n" + bytes(3 << 20))  # 3 MiB of NUL: refused from the first MiB, naming the key
+    with pytest.raises(ConfigError, match=r"^dataset.path = '.*nul.txt', line 2: holds NUL bytes"):
+        data.read_interactions(nul)
+
+
 def test_bad_L_name_or_filter_is_refused(tmp_path):
     f = tmp_path / "s.txt"
     f.write_text("1 1\n1 2\n1 3\n2 1\n")

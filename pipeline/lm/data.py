@@ -29,6 +29,8 @@ from pathlib import Path
 
 import numpy as np
 
+from pipeline import validation
+
 SPLITS = ("train", "test")
 SIGNATURE_LINES = 10  # a block after the last "--" line of at most this many lines is a signature
 _ATTRIBUTION = re.compile(r"(writes|wrote|says|said)\s*:\s*$|^\s*in (article|message|<)\b", re.IGNORECASE)
@@ -78,8 +80,8 @@ def read(path: str | Path, *, key: str = "dataset.archive", cleaned: bool = True
     posts dropped). DataError naming ``key`` if the file is missing, damaged or has no posts of a
     split."""
     path = Path(path)
-    if not path.is_file():
-        raise DataError(f"{key}: no such file {str(path)!r}")
+    if (why := validation.not_a_file(path)) is not None:
+        raise DataError(f"{key}: no such file {str(path)!r}" if why == "no such file" else f"{key}: {str(path)!r} is {why}")
     out: dict[str, list[str]] = {s: [] for s in SPLITS}
     try:
         with tarfile.open(path, "r:gz") as tar:

@@ -29,6 +29,8 @@ from typing import Iterator
 
 import numpy as np
 
+from pipeline import validation
+
 log = logging.getLogger(__name__)
 
 SPLITS = ("train", "test")
@@ -50,8 +52,9 @@ def _articles(path: str | Path, *, texts: bool) -> Iterator[tuple[str, str, str 
     None unless ``texts``), read within one guard: DataError if the file is missing, corrupt or
     holds no article of a split."""
     path = Path(path)
-    if not path.is_file():
-        raise DataError(f"dataset.archive: no such file {str(path)!r}")
+    if (why := validation.not_a_file(path)) is not None:
+        raise DataError(f"dataset.archive: no such file {str(path)!r}" if why == "no such file"
+                        else f"dataset.archive: {str(path)!r} is {why}")
     seen = set()
     try:
         with tarfile.open(path, "r:gz") as tar:
@@ -125,8 +128,9 @@ def save(articles: Articles, path: str | Path, meta: dict) -> None:
 
 def load(path: str | Path, meta: dict) -> Articles:
     path = Path(path)
-    if not path.is_file():
-        raise DataError(f"dataset.features: no such file {str(path)!r} (build it with `dvc repro features`)")
+    if (why := validation.not_a_file(path)) is not None:
+        raise DataError(f"dataset.features: no such file {str(path)!r} (build it with `dvc repro features`)"
+                        if why == "no such file" else f"dataset.features: {str(path)!r} is {why}")
     try:  # np.load reads lazily: a truncated or damaged member fails only when it is read, here
         with np.load(path, allow_pickle=False) as f:
             stored = str(f["meta"])

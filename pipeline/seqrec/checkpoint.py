@@ -78,9 +78,13 @@ def save(path: Path, *, key: dict, epoch: int, model, opt, sched, gen: torch.Gen
     torch.save(state, buffer)
     payload = buffer.getvalue()
     tmp = Path(path).with_suffix(f".{os.getpid()}.tmp")  # one per process: two writers never share it
-    with open(tmp, "wb") as handle:
-        handle.write(MAGIC + hashlib.sha256(payload).hexdigest().encode() + b"\n" + payload)
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as handle:
+            handle.write(MAGIC + hashlib.sha256(payload).hexdigest().encode() + b"\n" + payload)
+        os.replace(tmp, path)
+    except BaseException:  # a full disk, Ctrl-C: no half-written temporary file is left in the run's folder
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def load(path: Path | None, key: dict) -> dict | None:

@@ -30,6 +30,7 @@ from pathlib import Path
 
 import numpy as np
 
+from pipeline import validation
 from pipeline.seqrec import synthetic
 from pipeline.seqrec.sequences import TAIL_USERS, Sequences, check_L, split, tail_share  # noqa: F401  (data.Sequences, data.split)
 from pipeline.validation import ConfigError
@@ -52,8 +53,11 @@ def resolve(path, key: str = "dataset.path") -> Path:
     p = Path(os.path.expanduser(str(path)))
     bases = [p] if p.is_absolute() else [Path(_original_cwd()) / p, REPO_ROOT / p]
     for candidate in bases:
-        if candidate.is_file():
+        why = validation.not_a_file(candidate)
+        if why is None:
             return candidate
+        if why != "no such file":
+            raise ConfigError(f"{key} = {str(path)!r}: {candidate} is {why}")
     looked = ", ".join(str(b) for b in dict.fromkeys(bases))
     raise ConfigError(f"{key} = {str(path)!r}: no such file (looked for {looked})")
 
@@ -81,9 +85,18 @@ def read_interactions(path: Path, fmt: str = "auto", key: str = "dataset.path"):
     if fmt not in FORMATS:
         raise ConfigError(f"dataset.format must be one of {FORMATS}, got {fmt!r}")
     try:
-        raw = Path(path).read_bytes()
+        with open(path, "rb") as f:  # NUL bytes refused from the first MiB, before a huge binary file is read whole
+            head = f.read(1 << 20)
+            if b"\0" in head:
+                line = head[: head.index(b"\0")].count(b"\n") + 1
+                raise ConfigError(f"{key} = {str(path)!r}, line {line}: holds NUL bytes, not a text file of integer ids")
+            raw = head + f.read()
     except OSError as err:
         raise ConfigError(f"{key} = {str(path)!r}: cannot read it ({err})") from err
+    if b"\0" in raw:
+        line = raw[: raw.index(b"\0")].count(b"\n") + 1
+        raise ConfigError(f"{key} = {str(path)!r}, line {line}: holds NUL bytes, not a text file of integer ids")
+    raw = raw.removeprefix(b"\xef\xbb\xbf")  # a UTF-8 byte-order mark (some editors write one): read past it
     try:
         text = raw.decode("ascii")
     except UnicodeDecodeError as err:
