@@ -46,10 +46,10 @@ def task_of(module: str) -> str | None:
     return parts[1] if len(parts) > 2 and parts[0] == "pipeline" and parts[1] in TASKS else None
 
 
-def test_there_are_two_tasks_and_the_registry_names_them():
+def test_there_are_three_tasks_and_the_registry_names_them():
     from pipeline import tasks
 
-    assert TASKS == ["noisyhead", "seqrec"]
+    assert TASKS == ["lm", "noisyhead", "seqrec"]
     assert sorted(tasks.TASKS) == TASKS
     for name, module in tasks.TASKS.items():
         assert module == f"pipeline.{name}.task"

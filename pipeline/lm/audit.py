@@ -102,9 +102,66 @@ def run(build_model: Callable[[], torch.nn.Module], rows: torch.Tensor, mask: to
             "eps_ceiling": binomial.eps_ceiling, "power": power, "verdict": auditing.one_run_verdict(binomial, eps, power)}
 
 
+def validate(cfg) -> tuple:
+    """The audit's settings, refused before anything runs: the cell's (``config.validate``), the
+    number of canaries and the variants; the run must be private."""
+    from pipeline import validation
+    from pipeline.lm import config
+    from pipeline.validation import ConfigError
+
+    s = config.validate(cfg)
+    spec = (cfg.get("audit") or {}).get("lm") or {}
+    m = validation.positive_int(spec.get("m", 1000), "audit.lm.m")
+    variants = list(spec.get("variants") or ["engine"])
+    for v in variants:
+        if v not in VARIANTS:
+            raise ConfigError(f"audit.lm.variants: {v!r} is unknown; known: {list(VARIANTS)}")
+    if s.engine == "none" or not math.isfinite(s.eps):
+        raise ConfigError(f"clipping.name = {s.engine!r}, privacy.eps = {s.eps:g}: the whole-run audit audits a "
+                          "private run (a clipping engine and a finite eps)")
+    return s, m, variants
+
+
+def from_config(cfg):
+    """``python -m pipeline.audit experiment=lm_*``: each variant a real training of the preset's
+    model on its posts and vocabulary (``prepare``), audited against DP-SGD's share of the budget."""
+    import pandas as pd
+
+    from pipeline import tracking
+    from pipeline.lm import models
+    from pipeline.lm.prepare import prepare
+
+    s, m, variants = validate(cfg)  # before anything is created or computed
+    if s.threads:
+        torch.set_num_threads(s.threads)
+    prep = prepare(s, s.seed)
+    out = tracking.output_dir()
+    out.mkdir(parents=True, exist_ok=True)
+
+    def build():
+        torch.manual_seed(s.seed)
+        return models.build(vocab_size=prep.V, max_len=s.L, d=s.d, layers=s.layers, heads=s.heads, tied=s.tied,
+                            dropout=s.dropout, eos_id=prep.eos_id)
+
+    eps, delta = (1 - s.vocab_share) * s.eps, (1 - s.vocab_share) * s.delta
+    rows = []
+    for variant in variants:
+        rows.append(run(build, prep.rows, prep.mask, variant=variant, eps=eps, delta=delta, batch_size=s.batch_size,
+                        epochs=s.epochs, C=s.C, lr=s.lr, m=m, seed=s.seed,
+                        confidence=float(cfg.audit.get("confidence", 0.95)),
+                        power_factor=float(cfg.audit.get("power_factor", 2.0)), accountant=s.accountant))
+        r = rows[-1]
+        print(f"{variant:17s} eps_lower {r['eps_lower']:.3f} (claim {eps:g}, ceiling {r['eps_ceiling']:.2f}, "
+              f"power {r['power']:.2f})  {r['correct']}/{r['guesses']} right  {r['verdict']}", flush=True)
+    table = pd.DataFrame(rows)
+    table.to_csv(out / "audit.csv", index=False)
+    print(f"wrote {out / 'audit.csv'}", flush=True)
+    return table
+
+
 def main(argv: list[str] | None = None) -> list[dict]:
     """``python -m pipeline.lm.audit``: every variant on a small synthetic corpus and a one-layer
-    GPT-2 (until the task is registered, its CPU preset is not reachable from here); one line each."""
+    GPT-2, in seconds (the task's own posts: ``python -m pipeline.audit experiment=lm_ci``); one line each."""
     import argparse
 
     from pipeline.lm import examples, models

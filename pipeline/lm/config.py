@@ -1,16 +1,19 @@
-"""Validation of a language-model config (``task: lm``, not registered yet), before anything is
-read, computed or logged: each refusal a :class:`pipeline.validation.ConfigError` naming the key
-and the value (the entry point prints one ``error:`` line, exit 2).
+"""Validation of a language-model config (``task: lm``, the ``experiment=lm_*`` presets), before
+anything is read, computed or logged: each refusal a :class:`pipeline.validation.ConfigError`
+naming the key and the value (the entry point prints one ``error:`` line, exit 2). Imports no torch:
+a refused config answers at once.
 
-The keys (the groups ``conf/lm/`` will hold; the paper-free defaults are the CPU preset's):
+The keys (``conf/lm/``'s groups and ``conf/lm/experiment/lm_cpu.yaml``, where each is commented):
 
 - ``dataset``: ``archive`` (the bydate tarball), ``valid_fraction``, ``posts`` (null: every
-  training post; a count: the first ones, for small presets), ``L`` (tokens per example);
+  training post; a count: the first ones, for small presets), ``eval_posts`` (null: every
+  validation and test post; a count: the first ones), ``L`` (tokens per example);
 - ``vocab``: ``kind`` (private or public), ``size`` (BPE's target), ``eps_share`` (the private
   vocabulary's share of eps and of delta), ``max_pieces`` (a post's contribution);
 - ``model``: ``d``, ``layers``, ``heads``, ``tied``, ``dropout``;
 - ``clipping``: ``name`` (phantom, per_sample, ghost, none), ``C``;
-- ``train``: ``batch_size``, ``epochs``, ``lr``, ``warmup``, ``weight_decay``, ``accountant``;
+- ``train``: ``batch_size``, ``epochs``, ``lr``, ``warmup``, ``weight_decay``, ``accountant``,
+  ``eval_batch``, ``threads``;
 - ``privacy``: ``eps``, ``delta`` (the run's whole budget, the vocabulary's share included).
 """
 
@@ -35,6 +38,7 @@ class Settings:
     archive: str
     valid_fraction: float
     posts: int | None
+    eval_posts: int | None
     L: int
     vocab_kind: str
     vocab_size: int
@@ -53,6 +57,8 @@ class Settings:
     warmup: float
     weight_decay: float
     accountant: str
+    eval_batch: int
+    threads: int | None
     eps: float
     delta: float
     seed: int
@@ -82,6 +88,7 @@ def settings(cfg: DictConfig) -> Settings:
         raise ConfigError(f"dataset.archive must be a path, got {ds.archive!r}")
     valid_fraction = _unit(ds.valid_fraction, "dataset.valid_fraction", closed_low=False)
     posts = None if ds.posts is None else validation.positive_int(ds.posts, "dataset.posts")
+    eval_posts = None if ds.get("eval_posts") is None else validation.positive_int(ds.eval_posts, "dataset.eval_posts")
     L = validation.positive_int(ds.L, "dataset.L")
     kind = _choice(vc.kind, "vocab.kind", vocab.KINDS)
     size = validation.positive_int(vc.size, "vocab.size")
@@ -116,13 +123,40 @@ def settings(cfg: DictConfig) -> Settings:
     if weight_decay < 0:
         raise ConfigError(f"train.weight_decay must be >= 0, got {tr.weight_decay!r}")
     accountant = _choice(tr.accountant, "train.accountant", ACCOUNTANTS)
+    eval_batch = validation.positive_int(tr.get("eval_batch", 64), "train.eval_batch")
+    threads = validation.threads(tr.get("threads"), "train.threads")
     eps = pr.eps if pr.eps == math.inf else validation.number(pr.eps, "privacy.eps")
     if not (eps > 0 and (eps == math.inf or eps <= validation.MAX_EPS)):
         raise ConfigError(f"privacy.eps must lie in (0, {validation.MAX_EPS:g}] or be inf, got {pr.eps!r}")
     if eps == math.inf and kind == "private":
         raise ConfigError("privacy.eps = inf with vocab.kind = private: an infinite budget selects no vocabulary "
                           "with noise; use vocab.kind=public for a non-private run")
+    if engine == "none" and eps != math.inf:
+        raise ConfigError(f"clipping.name = 'none' trains without clipping or noise, and privacy.eps = {pr.eps!r} "
+                          "promises a guarantee: use privacy.eps=inf for the non-private run")
     delta = _unit(pr.delta, "privacy.delta", closed_low=False)
-    return Settings(ds.archive, valid_fraction, posts, L, kind, size, share, max_pieces, d, layers, heads, m.tied,
-                    dropout, engine, C, batch_size, epochs, lr, warmup, weight_decay, accountant, eps, delta,
-                    validation.seed(cfg.seed))
+    return Settings(ds.archive, valid_fraction, posts, eval_posts, L, kind, size, share, max_pieces, d, layers, heads,
+                    m.tied, dropout, engine, C, batch_size, epochs, lr, warmup, weight_decay, accountant, eval_batch,
+                    threads, eps, delta, validation.seed(cfg.seed))
+
+
+def validate(cfg: DictConfig) -> Settings:
+    """The settings of a language-model cell, every refusal before any folder or run: the values
+    (``settings``), then the archive (read and split here, cached for the cell) and the counts it
+    allows."""
+    from pipeline.lm import data
+
+    s = settings(cfg)
+    path = data.resolve(s.archive)
+    if (why := validation.not_a_file(path)) is not None:
+        raise ConfigError(f"dataset.archive = {s.archive!r}: {why}")
+    try:  # read here (once per process), so that a damaged archive is refused before any folder
+        corpus = data.read_cached(str(path))
+        train = len(data.split(corpus, valid_fraction=s.valid_fraction, seed=s.seed).train)
+    except data.DataError as err:
+        raise ConfigError(str(err)) from None
+    if s.posts is not None and s.posts > train:
+        raise ConfigError(f"dataset.posts = {s.posts} is more than the {train} training posts of {s.archive!r}")
+    if s.batch_size > (s.posts or train):
+        raise ConfigError(f"train.batch_size = {s.batch_size} is more than the {s.posts or train} training posts")
+    return s

@@ -22,6 +22,7 @@ seeded permutation (``split``); the test split is the test set.
 
 from __future__ import annotations
 
+import functools
 import re
 import tarfile
 from dataclasses import dataclass
@@ -36,6 +37,18 @@ SIGNATURE_LINES = 10  # a block after the last "--" line of at most this many li
 _ATTRIBUTION = re.compile(r"(writes|wrote|says|said)\s*:\s*$|^\s*in (article|message|<)\b", re.IGNORECASE)
 _QUOTE = re.compile(r"^\s*(>|\|>|:|\|\s)")
 _EMAIL = re.compile(r"[\w.+-]+@[\w-]+(\.[\w-]+)+")
+
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+def resolve(path: str | Path) -> Path:
+    """A data path: absolute, or relative to the directory the command was started in, else to the
+    repository root (the presets' ``../shared/data/...`` from anywhere in the checkout)."""
+    p = Path(path).expanduser()
+    if p.is_absolute() or p.exists():
+        return p
+    return REPO_ROOT / p if (REPO_ROOT / p).exists() else p
 
 
 class DataError(ValueError):
@@ -99,6 +112,12 @@ def read(path: str | Path, *, key: str = "dataset.archive", cleaned: bool = True
     if empty:
         raise DataError(f"{key}: {str(path)!r} holds no 20news-bydate-{empty[0]} posts")
     return out
+
+
+@functools.lru_cache(maxsize=2)
+def read_cached(path: str) -> dict[str, list[str]]:
+    """``read`` once per process and path (a sweep's validation reads the archive once for all cells)."""
+    return read(path)
 
 
 def split(corpus: dict[str, list[str]], *, valid_fraction: float, seed: int) -> Posts:

@@ -15,8 +15,6 @@ returns the per-post losses and gradient norms. Noise is added by the training s
 
 from __future__ import annotations
 
-from pipeline.lm.examples import example_losses
-
 ENGINES = ("phantom", "per_sample", "ghost", "none")
 
 
@@ -41,6 +39,8 @@ class Bound:
         self.engine = engine
 
     def step(self, batch):
+        from pipeline.lm.examples import example_losses
+
         return self.engine.step(example_losses, batch)
 
 
@@ -51,6 +51,8 @@ class NonPrivate:
         self.model = model
 
     def step(self, batch):
+        from pipeline.lm.examples import example_losses
+
         self.model.zero_grad(set_to_none=True)
         losses = example_losses(self.model, batch)
         losses.sum().backward()

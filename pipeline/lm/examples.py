@@ -83,18 +83,33 @@ def example_losses(model, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Ten
 
 
 @torch.no_grad()
-def evaluate(model, rows: torch.Tensor, mask: torch.Tensor, batch_size: int = 64) -> dict[str, float]:
-    """Perplexity and top-1 accuracy over every masked target of ``windows``' output, token-weighted."""
+def evaluate(model, rows: torch.Tensor, mask: torch.Tensor, batch_size: int = 64,
+             buckets: torch.Tensor | None = None, names: tuple[str, ...] = ()) -> dict[str, float]:
+    """Perplexity and top-1 accuracy over every masked target of ``windows``' output, token-weighted.
+    With ``buckets`` ((V,) bucket index of each token id) and their ``names``: the perplexity over
+    the targets of each bucket too (``perplexity_<name>``, ``tokens_<name>``)."""
     was = model.training
     model.eval()
+    dev = next(model.parameters()).device
     loss_sum, correct, count = 0.0, 0, 0
+    part_loss = torch.zeros(len(names), dtype=torch.float64)
+    part_count = torch.zeros(len(names), dtype=torch.float64)
     for i in range(0, rows.shape[0], batch_size):
-        r, m = rows[i : i + batch_size], mask[i : i + batch_size]
+        r, m = rows[i : i + batch_size].to(dev), mask[i : i + batch_size].to(dev)
         logits, losses = _logits_and_losses(model, r)
         loss_sum += float(losses[m].double().sum())
         correct += int((logits.argmax(-1) == r[:, 1:])[m].sum())
         count += int(m.sum())
+        if buckets is not None:
+            which = buckets[r[:, 1:][m].cpu()]
+            part_loss.index_add_(0, which, losses[m].double().cpu())
+            part_count.index_add_(0, which, torch.ones_like(which, dtype=torch.float64))
     model.train(was)
     mean = loss_sum / max(count, 1)
-    return {"perplexity": float(torch.tensor(mean).exp()), "loss": mean, "accuracy": correct / max(count, 1),
-            "tokens": count}
+    out = {"perplexity": float(torch.tensor(mean).exp()), "loss": mean, "accuracy": correct / max(count, 1),
+           "tokens": count}
+    for j, name in enumerate(names):
+        n = float(part_count[j])
+        out[f"perplexity_{name}"] = float((part_loss[j] / n).exp()) if n else float("nan")
+        out[f"tokens_{name}"] = int(n)
+    return out

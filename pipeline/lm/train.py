@@ -83,8 +83,8 @@ def add_noise(model, sigma: float, C: float, generator: torch.Generator) -> None
     ``p.grad`` (each post's clipped gradient has norm <= C, so one post moves the sum by at most C),
     in the parameters' order, whatever the engine."""
     for p in model.parameters():
-        if p.requires_grad:
-            p.grad.add_(torch.randn(p.grad.shape, generator=generator, dtype=p.grad.dtype, device=p.grad.device),
+        if p.requires_grad:  # drawn on the generator's device (the CPU), so a GPU run draws the CPU's numbers
+            p.grad.add_(torch.randn(p.grad.shape, generator=generator, dtype=p.grad.dtype).to(p.grad.device),
                         alpha=sigma * C)
 
 
@@ -93,7 +93,9 @@ def run(model, rows: torch.Tensor, mask: torch.Tensor, run_plan: Plan, *, engine
         on_epoch: Callable[[int, dict], None] | None = None, canaries=None) -> History:
     """Train ``model`` in place on the (n, L + 1) ``rows`` and their target ``mask``. With
     ``canaries`` (``pipeline.canaries.DiracCanaries``, the whole-run audit), the sampled included
-    canaries join every step's clipped sum before the noise, and the noisy sum is observed."""
+    canaries join every step's clipped sum before the noise, and the noisy sum is observed. The
+    rows stay where they are; each step's sample moves to the model's device (Poisson sampling and
+    noise are drawn on the CPU)."""
     if canaries is not None and engine == "none":
         raise ValueError("canaries audit a private run: engine none has no clipped sum to join")
     clip = engines.make(engine, model, C)
@@ -102,13 +104,14 @@ def run(model, rows: torch.Tensor, mask: torch.Tensor, run_plan: Plan, *, engine
     gen = torch.Generator().manual_seed(seed + 1)  # Poisson sampling and noise
     history = History()
     model.train()  # dropout as configured (Opacus's hooks record in training mode only)
+    dev = next(model.parameters()).device
     epochs = run_plan.steps // run_plan.steps_per_epoch
     for epoch in range(1, epochs + 1):
         loss_sum, norm_sum, seen = 0.0, 0.0, 0
         for _ in range(run_plan.steps_per_epoch):
             pick = (torch.rand(run_plan.n_posts, generator=gen) < run_plan.sample_rate).nonzero().squeeze(1)
             if len(pick):
-                losses, norms = clip.step((rows[pick], mask[pick]))
+                losses, norms = clip.step((rows[pick].to(dev), mask[pick].to(dev)))
             else:  # an empty Poisson sample: a zero sum (the noise alone, for a private run)
                 losses, norms = torch.zeros(0), None
                 for p in model.parameters():

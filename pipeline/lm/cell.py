@@ -1,0 +1,155 @@
+"""One language-model cell: posts and vocabulary -> DP-SGD training -> evaluation, as one MLflow run.
+
+Parameters: ``data.*`` (posts, targets, vocabulary size, pieces released by the private selection),
+``train.*`` (tying, engine, calibration: ``train.sigma``, ``train.eps_spent`` as the accountant
+reports it plus the vocabulary's share). Step metrics (per epoch): ``train.loss``,
+``train.mean_grad_norm``, ``evaluate.valid_perplexity``. Final metrics: ``evaluate.<method>.<split>_*``
+for the model (``lm``), ``unigram`` and ``unigram_dp``. Artifacts: ``results.csv`` (one row per
+method and split), ``history.csv``, ``curves.png``.
+
+What a private run logs besides the model (per-epoch loss and mean gradient norm, validation
+perplexity) is not private: diagnostics for the person training, as in DPFormer's runs.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from pathlib import Path
+
+import pandas as pd
+import torch
+from omegaconf import DictConfig
+
+from pipeline import device, tracking
+from pipeline.sweep import progress
+from pipeline.lm import config, evaluate, models, plot, train
+from pipeline.lm.prepare import prepare
+
+log = logging.getLogger(__name__)
+
+HEADLINE_PARAMS = ("tying", "eps", "vocab", "clipping", "lr", "seed")  # the runs table's columns for a sweep
+
+
+def tying(s: config.Settings) -> str:
+    return "tied" if s.tied else "untied"
+
+
+def vocab_label(s: config.Settings) -> str:
+    """How the vocabulary is named in run names and tables: the public one as the assumption it is."""
+    return "public vocabulary" if s.vocab_kind == "public" else "private vocabulary"
+
+
+def cell_name(s: config.Settings) -> str:
+    return (f"{tying(s)} eps={s.eps:g} seed={s.seed} ({s.engine}, {vocab_label(s)}, lr={s.lr:g}, "
+            f"B={s.batch_size}, d={s.d}, L={s.L})")
+
+
+def headline_params(s: config.Settings) -> dict:
+    return dict(zip(HEADLINE_PARAMS, (tying(s), s.eps, s.vocab_kind, s.engine, s.lr, s.seed)))
+
+
+def run(cfg: DictConfig, s: config.Settings) -> Path:
+    """Run one validated cell (``config.validate``'s settings ``s``); return its ``results.csv``."""
+    if s.threads:
+        torch.set_num_threads(s.threads)
+    dev = device.of(cfg)
+    device.configure(cfg, dev)
+    start = time.perf_counter()
+    prep = prepare(s, s.seed)  # a damaged archive is refused here, before any run
+    data_seconds = time.perf_counter() - start
+    private = s.engine != "none" and math.isfinite(s.eps)
+    run_plan = train.plan(n_posts=prep.rows.shape[0], batch_size=s.batch_size, epochs=s.epochs, eps=s.eps,
+                          delta=s.delta, private=private, vocab_share=s.vocab_share, accountant=s.accountant)
+    out = tracking.output_dir()
+    job = tracking.begin_cell(cfg, out)
+    if job is None:  # a resumed sweep: this folder holds the same cell, finished
+        return out / "results.csv"
+    tracking.setup(cfg)
+    tags = job.tags() | {"task": "lm", "dataset": cfg.dataset.name, "model": tying(s), "clipping": s.engine,
+                         "vocab": vocab_label(s)}
+    name = cell_name(s)
+    with tracking.run(name, tags) as active:
+        tracking.log_config(cfg)
+        tracking.log_headline_params(headline_params(s))
+        tracking.log_params("data", {**prep.stats, "L": s.L, "seed": s.seed})
+        tracking.log_params("train", {
+            "tied": s.tied, "clipping": s.engine, "C": s.C, "eps": s.eps, "delta": s.delta, "lr": s.lr,
+            "epochs": s.epochs, "accountant": s.accountant, "batch_size": run_plan.batch_size,
+            "sample_rate": run_plan.sample_rate, "steps": run_plan.steps, "sigma": run_plan.sigma,
+            "eps_spent": run_plan.spent_eps, "vocab_eps": run_plan.vocab_eps, "vocab_delta": run_plan.vocab_delta,
+            "d": s.d, "layers": s.layers, "heads": s.heads})
+        tracking.log_params("compute", {"device": str(dev), "device_name": device.name(dev), "tf32": cfg.compute.tf32})
+        tracking.log_metrics("data", {"seconds": data_seconds})
+        torch.manual_seed(s.seed)
+        model = models.build(vocab_size=prep.V, max_len=s.L, d=s.d, layers=s.layers, heads=s.heads, tied=s.tied,
+                             dropout=s.dropout, eos_id=prep.eos_id).to(dev)
+        tracking.log_params("model", {"parameters": models.parameters(model)})
+        valid = {"valid": prep.splits["valid"]}
+
+        def validate(m) -> dict:
+            found = evaluate.model_rows(m, valid, torch.zeros(prep.V, dtype=torch.long), s.eval_batch)[0]
+            return {"perplexity": found["perplexity"], "accuracy": found["accuracy"]}
+
+        def on_epoch(epoch: int, metrics: dict) -> None:
+            shown = {k: v for k, v in metrics.items() if not k.startswith("valid_")}
+            tracking.log_metrics("train", shown, at=epoch)
+            tracking.log_metrics("evaluate", {k: v for k, v in metrics.items() if k.startswith("valid_")}, at=epoch)
+            log.info("epoch %d/%d: loss %.4f, validation perplexity %.2f", epoch, s.epochs, metrics["loss"],
+                     metrics.get("valid_perplexity", math.nan))
+
+        device.reset_peak(dev)
+        t0 = time.perf_counter()
+        history = train.run(model, prep.rows, prep.mask, run_plan, engine=s.engine, C=s.C, lr=s.lr, warmup=s.warmup,
+                            weight_decay=s.weight_decay, seed=s.seed, validate=validate, on_epoch=on_epoch)
+        device.synchronize(dev)
+        seconds = time.perf_counter() - t0
+        epochs = len(history.loss)
+        tracking.log_metrics("train", {"seconds": seconds, "seconds_per_epoch": seconds / max(epochs, 1)})
+        bucket_of = evaluate.buckets(prep.rows, prep.mask, prep.V)
+        rows = evaluate.model_rows(model, prep.splits, bucket_of, s.eval_batch)
+        dp_eps = (1 - s.vocab_share) * s.eps
+        rows += evaluate.reference_rows(prep.rows, prep.mask, prep.V, prep.splits, bucket_of, eps=dp_eps,
+                                        delta=(1 - s.vocab_share) * s.delta, seed=s.seed)
+        peak = device.peak_memory_gb(dev)
+        if peak is not None:
+            tracking.log_metrics("compute", {"peak_memory_gb": peak})
+        results = pd.DataFrame([{
+            "task": "lm", "dataset": cfg.dataset.name, "tying": tying(s), "vocab": s.vocab_kind, "clipping": s.engine,
+            "eps": float(s.eps), "eps_spent": run_plan.spent_eps, "delta": s.delta, "sigma": run_plan.sigma,
+            "batch_size": run_plan.batch_size, "lr": s.lr, "epochs": s.epochs, "L": s.L, "d": s.d, "layers": s.layers,
+            "V": prep.V, "seed": s.seed, **row} for row in rows])
+        test = next(r for r in rows if r["method"] == "lm" and r["split"] == "test")
+        tracking.log_headline_metrics({"test_perplexity": test["perplexity"], "test_accuracy": test["accuracy"]})
+        for row in rows:
+            tracking.log_metrics(f"evaluate.{row['method']}", {f"{row['split']}_{k}": v for k, v in row.items()
+                                                               if k not in ("method", "split") and v == v})
+        out.mkdir(parents=True, exist_ok=True)
+        csv = out / "results.csv"
+        results.to_csv(csv, index=False)
+        curves = out / "history.csv"
+        history_frame(history).to_csv(curves, index=False)
+        fig = plot.curves(history_frame(history), out / "curves.png", title=name)
+        tracking.log_artifacts(csv, curves, fig)
+        cell_seconds = time.perf_counter() - start
+        tracking.log_metrics("cell", {"seconds": cell_seconds})
+    job.finished(active.info.run_id, {"device": str(dev), "device_name": device.name(dev), "seconds": cell_seconds,
+                                      "seconds_per_epoch": seconds / max(epochs, 1), "peak_memory_gb": peak})
+    shown = results[["method", "split", "perplexity", "accuracy"]].to_string(index=False, float_format="%.3f")
+    log.info("%s (V = %d, sigma = %.4g, eps spent = %.4g)\n%s", name, prep.V, run_plan.sigma, run_plan.spent_eps, shown)
+    log.info("wrote %s, %s, %s; MLflow run %s: %s", csv, curves, fig, active.info.run_id,
+             tracking.ui_address(cfg, active.info.run_id))
+    line = progress(job.sweep)
+    if line:
+        log.info("%s", line)
+    return csv
+
+
+def history_frame(history: train.History) -> pd.DataFrame:
+    """One row per epoch: training loss, mean per-post gradient norm, validation perplexity and accuracy."""
+    frame = pd.DataFrame({"epoch": range(1, len(history.loss) + 1), "loss": history.loss,
+                          "mean_grad_norm": history.mean_norm})
+    for key in ("perplexity", "accuracy"):
+        frame[f"valid_{key}"] = [v.get(key, math.nan) for v in history.valid] if history.valid else math.nan
+    return frame

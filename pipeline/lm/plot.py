@@ -1,0 +1,78 @@
+"""The language model's figures: a cell's training curves, and a sweep's test perplexity against
+eps, tied against untied, with the unigram references, and per frequency bucket."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+import pandas as pd  # noqa: E402
+
+from pipeline.plot import color, save  # noqa: E402
+
+NON_PRIVATE = "non-private"
+
+
+def eps_positions(eps: list[float]) -> tuple[np.ndarray, list[str]]:
+    """x positions and labels: finite eps in order, non-private at the right."""
+    labels = [NON_PRIVATE if math.isinf(e) else f"{e:g}" for e in eps]
+    return np.arange(len(eps)), labels
+
+
+def curves(frame: pd.DataFrame, path: Path, title: str = "") -> Path:
+    """A cell's training loss and validation perplexity per epoch."""
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(9, 3.2))
+    ax1.plot(frame["epoch"], frame["loss"], marker="o")
+    ax1.set(xlabel="epoch", ylabel="mean per-post training loss")
+    ax2.plot(frame["epoch"], frame["valid_perplexity"], marker="o", color="C1")
+    ax2.set(xlabel="epoch", ylabel="validation perplexity")
+    for ax in (ax1, ax2):
+        ax.grid(alpha=0.3)
+    fig.suptitle(title, fontsize=9)
+    return save(fig, path)
+
+
+def tying_figure(long: pd.DataFrame, path: Path) -> Path:
+    """Test perplexity against eps (non-private at the right): tied and untied, mean and +-1 sd over
+    seeds (bars), the DP unigram model (dashed, its own eps) and the unigram model (dotted)."""
+    eps = sorted(long["eps"].unique(), key=lambda e: (math.isinf(e), e))
+    x, labels = eps_positions(eps)
+    fig, ax = plt.subplots(figsize=(6, 3.8))
+    for k, (model, g) in enumerate(long.groupby("model", sort=False)):
+        at = g.set_index("eps").reindex(eps)
+        style = {"unigram": dict(ls=":", marker=""), "unigram_dp": dict(ls="--", marker="")}.get(model, dict(marker="o"))
+        offset = 0.04 * (k - 1) if model in ("tied", "untied") else 0.0
+        ax.errorbar(x + offset, at["perplexity_mean"], yerr=at["perplexity_sd"].fillna(0), capsize=3, label=model,
+                    color=color(model), **style)
+    ax.set_xticks(x, labels)
+    ax.set(xlabel="eps (the run's whole budget)", ylabel="test perplexity", yscale="log")
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=8)
+    ax.set_title("Test perplexity, mean and +-1 sd over seeds", fontsize=9)
+    return save(fig, path)
+
+
+def buckets_figure(frame: pd.DataFrame, path: Path) -> Path:
+    """Tying's relative perplexity gain per frequency bucket and eps, mean and its 95% interval over seeds."""
+    eps = sorted(frame["eps"].unique(), key=lambda e: (math.isinf(e), e))
+    x, labels = eps_positions(eps)
+    fig, ax = plt.subplots(figsize=(6, 3.8))
+    for k, (bucket, g) in enumerate(frame.groupby("bucket", sort=False)):
+        at = g.set_index("eps").reindex(eps)
+        low = (at["gain_mean"] - at["ci_low"]).fillna(0)
+        high = (at["ci_high"] - at["gain_mean"]).fillna(0)
+        ax.errorbar(x + 0.06 * (k - 1), 100 * at["gain_mean"], yerr=[100 * low, 100 * high], capsize=3, marker="o",
+                    label=bucket)
+    ax.axhline(0, color="k", lw=0.8)
+    ax.set_xticks(x, labels)
+    ax.set(xlabel="eps", ylabel="tying's perplexity gain (%)")
+    ax.grid(alpha=0.3)
+    ax.legend(title="tokens", fontsize=8)
+    ax.set_title("Where tying helps: 1 - perplexity(tied) / perplexity(untied) per bucket,\n"
+                 "mean and 95% t interval over paired seeds", fontsize=9)
+    return save(fig, path)

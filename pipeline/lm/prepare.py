@@ -1,0 +1,56 @@
+"""A language-model cell's inputs, before any model: the posts (read, cleaned, split), the
+vocabulary (selected with DP, or public), and the encoded training rows and evaluation windows.
+
+Everything here is deterministic given the settings and the seed: the split permutation and the
+vocabulary's selection noise are seeded by the cell's seed (a tied and an untied cell of one seed
+share their posts and their vocabulary, so their comparison is paired).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from pipeline.lm import data, examples, vocab
+
+
+@dataclass
+class Prepared:
+    tokenizer: object
+    eos_id: int
+    V: int  # the tokenizer's vocabulary size (a private selection may give fewer than vocab.size)
+    rows: torch.Tensor  # (n, L + 1) training rows
+    mask: torch.Tensor  # (n, L) their real targets
+    splits: dict[str, tuple[torch.Tensor, torch.Tensor]]  # valid, test: windows and their masks
+    stats: dict[str, float]
+    released: int  # pieces the private selection released (0 for a public vocabulary)
+
+
+def prepare(s, seed: int) -> Prepared:
+    """The posts, vocabulary and tensors of a cell with settings ``s`` (``config.Settings``)."""
+    posts = data.split(data.read_cached(str(data.resolve(s.archive))), valid_fraction=s.valid_fraction, seed=seed)
+    train = posts.train[: s.posts] if s.posts else posts.train
+    valid = posts.valid[: s.eval_posts] if s.eval_posts else posts.valid
+    test = posts.test[: s.eval_posts] if s.eval_posts else posts.test
+    released = 0
+    if s.vocab_kind == "private":
+        cal = vocab.calibrate(eps=s.vocab_share * s.eps, delta=s.vocab_share * s.delta, max_pieces=s.max_pieces)
+        chosen = vocab.select(vocab.document_counts(train, s.max_pieces), cal, np.random.default_rng(seed))
+        released = len(chosen)
+        tokenizer = vocab.train_private(chosen, s.vocab_size)
+    else:
+        tokenizer = vocab.train_public(train, s.vocab_size)
+    eos = tokenizer.token_to_id(vocab.EOS)
+    train_ids = examples.encode(train, tokenizer, eos)
+    rows, mask = examples.training_rows(train_ids, s.L, eos)
+    splits = {name: examples.windows(examples.encode(texts, tokenizer, eos), s.L, eos)
+              for name, texts in (("valid", valid), ("test", test))}
+    stats = {"train_posts": len(train), "valid_posts": len(valid), "test_posts": len(test),
+             "train_targets": int(mask.sum()), "valid_targets": int(splits["valid"][1].sum()),
+             "test_targets": int(splits["test"][1].sum()), "vocab_size": tokenizer.get_vocab_size(),
+             "released_pieces": released,  # the share of training posts longer than an example (their tails unread)
+             "truncated_share": float(np.mean([len(t) > s.L + 1 for t in train_ids])) if train_ids else math.nan}
+    return Prepared(tokenizer, eos, tokenizer.get_vocab_size(), rows, mask, splits, stats, released)

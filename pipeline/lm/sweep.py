@@ -1,0 +1,206 @@
+"""The end of a language-model sweep: its tables, figures, report and parent MLflow run.
+
+Written next to the sweep's ``results.csv`` (and copied to ``report.dir`` for DVC):
+
+- ``table.csv`` / ``table.md``: test perplexity and accuracy, mean (sd) over seeds, of the tied and
+  untied models at each eps (each at its learning rate selected on validation where several ran),
+  beside the unigram and DP unigram references; a model that does not beat the DP unigram model at
+  its eps is marked so;
+- ``gains.csv``: tying's relative perplexity gain, g_s = 1 - ppl(tied, s) / ppl(untied, s), paired
+  over seeds (a tied and an untied cell of one seed share their posts, vocabulary and streams), its
+  mean and 95% Student-t interval per eps, and a verdict on DPFormer's claim that tying is
+  essential under DP-SGD: ``reproduced`` where the interval lies above 0, ``contradicted`` where it
+  lies below 0 (tying hurts), else ``inconclusive``; fewer than 2 paired seeds: ``inconclusive``;
+- ``buckets.csv``: the same gain over the head, torso and tail tokens (``evaluate.BUCKETS``);
+- ``grid.csv`` where the learning rate varies: per model and eps, the learning rate with the best
+  mean validation perplexity;
+- ``perplexity.png``, ``buckets.png``, ``report.html`` and ``metrics.json``.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from pathlib import Path
+
+import pandas as pd
+from omegaconf import DictConfig, OmegaConf
+
+from pipeline import report as reporting
+from pipeline import sweep
+from pipeline.lm import cell, plot
+from pipeline.lm.evaluate import BUCKETS
+
+log = logging.getLogger(__name__)
+
+REFERENCES = ("unigram", "unigram_dp")
+LEVEL = 0.95
+
+
+def eps_label(eps: float) -> str:
+    return "inf" if math.isinf(eps) else f"{eps:g}"
+
+
+def _models(results: pd.DataFrame, split: str) -> pd.DataFrame:
+    rows = results[(results["split"] == split) & (results["method"] == "lm")].copy()
+    rows["model"] = rows["tying"]
+    return rows
+
+
+def selected(results: pd.DataFrame) -> pd.DataFrame:
+    """Per (model, eps): the learning rate with the lowest mean validation perplexity over seeds."""
+    valid = _models(results, "valid")
+    means = valid.groupby(["model", "eps", "lr"], sort=False)["perplexity"].mean().reset_index()
+    best = means.loc[means.groupby(["model", "eps"], sort=False)["perplexity"].idxmin()]
+    return best.rename(columns={"perplexity": "valid_perplexity"}).reset_index(drop=True)
+
+
+def table(results: pd.DataFrame, picks: pd.DataFrame) -> pd.DataFrame:
+    """Long form: one row per (model, eps) at its selected learning rate, and the references; mean and
+    sd over seeds of test perplexity and accuracy, and each bucket's mean perplexity."""
+    test = _models(results, "test").merge(picks[["model", "eps", "lr"]])
+    refs = results[(results["split"] == "test") & results["method"].isin(REFERENCES)].copy()
+    refs["model"] = refs["method"]
+    refs = refs.drop_duplicates(["model", "eps", "seed"])  # the same in every cell of a seed and eps
+    rows = []
+    for frame, keys in ((test, ["model", "eps", "lr"]), (refs, ["model", "eps"])):
+        for key, g in frame.groupby(keys, sort=False):
+            row = dict(zip(keys, key)) | {"seeds": int(g["seed"].nunique())}
+            for m in ("perplexity", "accuracy", *(f"perplexity_{b}" for b in BUCKETS)):
+                row[f"{m}_mean"] = float(g[m].mean())
+                row[f"{m}_sd"] = float(g[m].std(ddof=1)) if len(g) > 1 else math.nan
+            rows.append(row)
+    long = pd.DataFrame(rows)
+    dp = long[long["model"] == "unigram_dp"].set_index("eps")["perplexity_mean"]
+    long["beats_dp_unigram"] = [None if m in REFERENCES or e not in dp.index else bool(p < dp[e])
+                                for m, e, p in zip(long["model"], long["eps"], long["perplexity_mean"])]
+    return long
+
+
+def _paired(results: pd.DataFrame, picks: pd.DataFrame, column: str) -> pd.DataFrame:
+    """Per eps: g_s = 1 - column(tied, s) / column(untied, s), each at its selected learning rate."""
+    from scipy import stats
+
+    test = _models(results, "test").merge(picks[["model", "eps", "lr"]])
+    out = []
+    for e, g in test.groupby("eps", sort=False):
+        per = g.pivot_table(index="seed", columns="model", values=column, aggfunc="mean")
+        if not {"tied", "untied"} <= set(per.columns):
+            continue
+        gain = (1 - per["tied"] / per["untied"]).dropna()
+        n = len(gain)
+        mean = float(gain.mean()) if n else math.nan
+        low = high = math.nan
+        if n >= 2:
+            half = float(stats.t.ppf(0.5 + LEVEL / 2, n - 1) * gain.std(ddof=1) / math.sqrt(n))
+            low, high = mean - half, mean + half
+        verdict = ("reproduced" if n >= 2 and low > 0 else "contradicted" if n >= 2 and high < 0 else "inconclusive")
+        out.append({"eps": e, "seeds": n, "gain_mean": mean, "ci_low": low, "ci_high": high, "verdict": verdict})
+    frame = pd.DataFrame(out, columns=["eps", "seeds", "gain_mean", "ci_low", "ci_high", "verdict"])
+    order = sorted(range(len(frame)), key=lambda i: (math.isinf(frame["eps"].iloc[i]), frame["eps"].iloc[i]))
+    return frame.iloc[order].reset_index(drop=True)
+
+
+def gains(results: pd.DataFrame, picks: pd.DataFrame) -> pd.DataFrame:
+    return _paired(results, picks, "perplexity")
+
+
+def bucket_gains(results: pd.DataFrame, picks: pd.DataFrame) -> pd.DataFrame:
+    frames = [_paired(results, picks, f"perplexity_{b}").assign(bucket=b) for b in BUCKETS]
+    return pd.concat(frames, ignore_index=True)[["bucket", "eps", "seeds", "gain_mean", "ci_low", "ci_high", "verdict"]]
+
+
+def _fmt(mean: float, sd: float, digits: int = 1) -> str:
+    if pd.isna(mean):
+        return ""
+    return f"{mean:.{digits}f}" if pd.isna(sd) else f"{mean:.{digits}f} ({sd:.{digits}f})"
+
+
+def markdown(long: pd.DataFrame, paired: pd.DataFrame, buckets: pd.DataFrame, scale: str) -> str:
+    eps = sorted(long["eps"].unique(), key=lambda e: (math.isinf(e), e))
+    head = ["model", *(f"eps={eps_label(e)}" for e in eps)]
+    lines = [f"Test perplexity (sd) / accuracy (%) over seeds, {scale}. * : does not beat the DP unigram model "
+             f"at its eps.\n", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for model, g in long.groupby("model", sort=False):
+        cells = []
+        for e in eps:
+            hit = g[g["eps"] == e]
+            if not len(hit):
+                cells.append("")
+                continue
+            r = hit.iloc[0]
+            star = "*" if r["beats_dp_unigram"] is False else ""
+            cells.append(f"{_fmt(r['perplexity_mean'], r['perplexity_sd'])}{star} / {100 * r['accuracy_mean']:.1f}")
+        lines.append(f"| {model} | " + " | ".join(cells) + " |")
+    text = "\n".join(lines) + "\n"
+    if len(paired):
+        text += (f"\nTying's relative perplexity gain, 1 - ppl(tied) / ppl(untied), paired over seeds (mean and "
+                 f"{LEVEL:.0%} t interval); DPFormer's claim: tying is essential under DP-SGD\n\n"
+                 "| eps | seeds | gain | interval | verdict |\n|---|---|---|---|---|\n")
+        for r in paired.itertuples():
+            interval = "" if math.isnan(r.ci_low) else f"[{100 * r.ci_low:+.1f}%, {100 * r.ci_high:+.1f}%]"
+            text += f"| {eps_label(r.eps)} | {r.seeds} | {100 * r.gain_mean:+.1f}% | {interval} | {r.verdict} |\n"
+    if len(buckets):
+        text += "\nThe same gain per frequency bucket (head: the tokens of the first 50% of training targets, " \
+                "torso: to 90%, tail: the rest and unseen)\n\n| bucket | eps | seeds | gain | interval |\n|---|---|---|---|---|\n"
+        for r in buckets.itertuples():
+            interval = "" if math.isnan(r.ci_low) else f"[{100 * r.ci_low:+.1f}%, {100 * r.ci_high:+.1f}%]"
+            text += f"| {r.bucket} | {eps_label(r.eps)} | {r.seeds} | {100 * r.gain_mean:+.1f}% | {interval} |\n"
+    return text
+
+
+def scale(results: pd.DataFrame) -> str:
+    """The scale the comparison ran at, said beside every verdict."""
+    r = results.iloc[0]
+    low, high = int(results["V"].min()), int(results["V"].max())
+    layers = int(r["layers"])
+    return (f"GPT-2 with {layers} layer{'s' if layers > 1 else ''}, d = {int(r['d'])}, L = {int(r['L'])}, "
+            f"V = {low if low == high else f'{low}-{high}'}, {r['dataset']}")
+
+
+NOT_LM = ("trials", "oracle", "plot", "evaluate", "regime", "attack", "method")  # NoisyHead's keys
+
+
+def summarise(config: DictConfig, sweep_id: str, sweep_dir: Path, cells: sweep.Cells, results: pd.DataFrame,
+              csv: Path) -> None:
+    """Write the sweep's tables, figures and report; log them to the parent run; copy to report.dir."""
+    sweep_dir = Path(sweep_dir)
+    artifacts: list[Path] = [Path(csv)]
+    picks = selected(results)
+    long = table(results, picks)
+    long.to_csv(sweep_dir / "table.csv", index=False)
+    paired, buckets = gains(results, picks), bucket_gains(results, picks)
+    text = markdown(long, paired, buckets, scale(results))
+    (sweep_dir / "table.md").write_text(text)
+    artifacts += [sweep_dir / "table.csv", sweep_dir / "table.md"]
+    if results["lr"].nunique() > 1:
+        picks.to_csv(sweep_dir / "grid.csv", index=False)
+        artifacts.append(sweep_dir / "grid.csv")
+    figures = [plot.tying_figure(long, sweep_dir / "perplexity.png")]
+    if len(paired):
+        paired.to_csv(sweep_dir / "gains.csv", index=False)
+        buckets.to_csv(sweep_dir / "buckets.csv", index=False)
+        artifacts += [sweep_dir / "gains.csv", sweep_dir / "buckets.csv"]
+        figures.append(plot.buckets_figure(buckets, sweep_dir / "buckets.png"))
+    artifacts += figures
+    name = config.get("experiment_name") or "lm sweep"
+    shown = {k: OmegaConf.to_container(v, resolve=True) if OmegaConf.is_config(v) else v
+             for k, v in config.items() if k not in ("hydra", *NOT_LM)}
+    shown.get("privacy", {}).pop("accountant", None)  # NoisyHead's: the language model's is train.accountant
+    overrides = [r.get("overrides") or [] for r in cells.done]
+    runs = [(" ".join(o), r["run_id"], r.get("compute") or {}) for o, r in zip(overrides, cells.done)]
+    frame = long.round(3)
+    page = reporting.write_html(sweep_dir / "report.html", f"{name}: {len(cells.done)} cells", sweep.command(),
+                                OmegaConf.to_yaml(shown), frame, figures, runs,
+                                caption="test perplexity and accuracy, mean (sd) over seeds, each model at its learning "
+                                        "rate selected on validation; table.md holds the paired gains and verdicts",
+                                swept=reporting.grid(overrides))
+    artifacts.append(page)
+    metrics = {f"{r.model}.eps_{eps_label(r.eps)}.test_perplexity": r.perplexity_mean for r in long.itertuples()}
+    metrics |= {f"tying_gain.eps_{eps_label(r.eps)}": r.gain_mean for r in paired.itertuples()}
+    print(f"\n{name}: {text}\nreport: {page}", flush=True)
+    sweep.parent_run(config, sweep_id, sweep_dir, cells, f"{name} ({len(cells.done)} cells)", list(map(str, artifacts)),
+                     {"dataset": config.dataset.name}, {k: v for k, v in metrics.items() if not math.isnan(v)}, text,
+                     (list(cell.HEADLINE_PARAMS), ["test_perplexity", "test_accuracy"]))
+    sweep.publish(config, artifacts, {"cells": len(cells.done), **metrics})
+    log.info("sweep of %d cells: wrote %s", len(cells.done), ", ".join(str(p) for p in artifacts))
