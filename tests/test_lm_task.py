@@ -151,6 +151,26 @@ def test_the_paired_gain_its_t_interval_and_the_verdicts():
     assert "106.0 (1.0)* / 10.0" in text and "| 8 | 3 | -6.0% |" in text and "contradicted" in text
 
 
+def test_cells_of_different_settings_are_never_pooled():
+    """A sweep over the vocabulary too: each vocabulary its own rows, selection, pairs and references
+    (pooled, +10% and -11% made one +5% with a zero-width interval)."""
+    private = _results({8.0: [0.10, 0.10, 0.10]}).assign(vocab="private", V=600)
+    public = _results({8.0: [-0.11, -0.11, -0.11]}).assign(vocab="public", V=8000)
+    public.loc[public["method"] == "unigram_dp", "perplexity"] = 120.0  # the public vocabulary's own reference
+    results = pd.concat([private, public], ignore_index=True)
+    picks = sweep.selected(results)
+    found = sweep.gains(results, picks).set_index("setting")["gain_mean"]
+    assert found.to_dict() == pytest.approx({"vocab=private": 0.10, "vocab=public": -0.11})
+    long = sweep.table(results, picks)
+    tied = long[long["model"] == "tied"].set_index("setting")["beats_dp_unigram"]
+    assert tied.to_dict() == {"vocab=private": True, "vocab=public": True}  # 111 < 120: against its own reference
+    text = sweep.markdown(long, sweep.gains(results, picks), sweep.bucket_gains(results, picks), "tiny")
+    assert "| tied (vocab=public) |" in text and "| 8 (vocab=private) | 3 | +10.0% |" in text
+    unnamed = pd.concat([_results({8.0: [0.1, 0.1]}), _results({8.0: [0.2, 0.2]}).assign(lr=1e-3)], ignore_index=True)
+    with pytest.raises(ValueError, match="differ in a setting the sweep's table does not name"):
+        sweep.gains(unnamed, sweep.selected(unnamed))
+
+
 def test_one_seed_gives_no_interval_and_no_verdict():
     found = sweep.gains(_results({8.0: [0.2]}), sweep.selected(_results({8.0: [0.2]})))
     assert found["seeds"].tolist() == [1] and math.isnan(found["ci_low"].iloc[0])

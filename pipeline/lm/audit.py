@@ -128,7 +128,7 @@ def from_config(cfg):
     import pandas as pd
 
     from pipeline import tracking
-    from pipeline.lm import models
+    from pipeline.lm import models, streams
     from pipeline.lm.prepare import prepare
 
     s, m, variants = validate(cfg)  # before anything is created or computed
@@ -139,7 +139,7 @@ def from_config(cfg):
     out.mkdir(parents=True, exist_ok=True)
 
     def build():
-        torch.manual_seed(s.seed)
+        torch.manual_seed(streams.seed_of(s.seed, "init"))
         return models.build(vocab_size=prep.V, max_len=s.L, d=s.d, layers=s.layers, heads=s.heads, tied=s.tied,
                             dropout=s.dropout, eos_id=prep.eos_id)
 

@@ -24,7 +24,7 @@ from omegaconf import DictConfig
 
 from pipeline import device, tracking
 from pipeline.sweep import progress
-from pipeline.lm import config, evaluate, models, plot, train
+from pipeline.lm import config, evaluate, models, plot, streams, train
 from pipeline.lm.prepare import prepare
 
 log = logging.getLogger(__name__)
@@ -57,15 +57,15 @@ def run(cfg: DictConfig, s: config.Settings) -> Path:
     dev = device.of(cfg)
     device.configure(cfg, dev)
     start = time.perf_counter()
-    prep = prepare(s, s.seed)  # a damaged archive is refused here, before any run
-    data_seconds = time.perf_counter() - start
-    private = s.engine != "none" and math.isfinite(s.eps)
-    run_plan = train.plan(n_posts=prep.rows.shape[0], batch_size=s.batch_size, epochs=s.epochs, eps=s.eps,
-                          delta=s.delta, private=private, vocab_share=s.vocab_share, accountant=s.accountant)
     out = tracking.output_dir()
     job = tracking.begin_cell(cfg, out)
     if job is None:  # a resumed sweep: this folder holds the same cell, finished
         return out / "results.csv"
+    prep = prepare(s, s.seed)  # the archive was read and checked by config.validate
+    data_seconds = time.perf_counter() - start
+    private = s.engine != "none" and math.isfinite(s.eps)
+    run_plan = train.plan(n_posts=prep.rows.shape[0], batch_size=s.batch_size, epochs=s.epochs, eps=s.eps,
+                          delta=s.delta, private=private, vocab_share=s.vocab_share, accountant=s.accountant)
     tracking.setup(cfg)
     tags = job.tags() | {"task": "lm", "dataset": cfg.dataset.name, "model": tying(s), "clipping": s.engine,
                          "vocab": vocab_label(s)}
@@ -82,7 +82,7 @@ def run(cfg: DictConfig, s: config.Settings) -> Path:
             "d": s.d, "layers": s.layers, "heads": s.heads})
         tracking.log_params("compute", {"device": str(dev), "device_name": device.name(dev), "tf32": cfg.compute.tf32})
         tracking.log_metrics("data", {"seconds": data_seconds})
-        torch.manual_seed(s.seed)
+        torch.manual_seed(streams.seed_of(s.seed, "init"))
         model = models.build(vocab_size=prep.V, max_len=s.L, d=s.d, layers=s.layers, heads=s.heads, tied=s.tied,
                              dropout=s.dropout, eos_id=prep.eos_id).to(dev)
         tracking.log_params("model", {"parameters": models.parameters(model)})
@@ -118,7 +118,7 @@ def run(cfg: DictConfig, s: config.Settings) -> Path:
         results = pd.DataFrame([{
             "task": "lm", "dataset": cfg.dataset.name, "tying": tying(s), "vocab": s.vocab_kind, "clipping": s.engine,
             "eps": float(s.eps), "eps_spent": run_plan.spent_eps, "delta": s.delta, "sigma": run_plan.sigma,
-            "batch_size": run_plan.batch_size, "lr": s.lr, "epochs": s.epochs, "L": s.L, "d": s.d, "layers": s.layers,
+            "batch_size": run_plan.batch_size, "C": s.C, "lr": s.lr, "epochs": s.epochs, "L": s.L, "d": s.d, "layers": s.layers,
             "V": prep.V, "seed": s.seed, **row} for row in rows])
         test = next(r for r in rows if r["method"] == "lm" and r["split"] == "test")
         tracking.log_headline_metrics({"test_perplexity": test["perplexity"], "test_accuracy": test["accuracy"]})

@@ -7,6 +7,7 @@
   gradient for its book-keeping sum (one more B L V) and Opacus's hooks keep the same;
 - each block's activations kept for the backward: about 16 B L d floats per block (attention's
   (B, heads, L, L) scores added);
+- evaluation: one ``train.eval_batch`` of windows' logits, eval_batch L V floats;
 - ``per_sample``: every post's gradient, B x P floats (the reference's cost, B x V x d for the table).
 
 Vocabulary: ``vocab.size`` (a private selection may train fewer tokens: an upper bound).
@@ -37,7 +38,8 @@ def estimate(cfg: DictConfig, device: str) -> Memory:
     B = math.ceil(s.batch_size + 3 * math.sqrt(s.batch_size))
     parts = {"parameters, gradients and Adam's moments": 4 * P * FLOAT,
              "logits and their gradient": (2 + (s.engine in ("phantom", "per_sample"))) * B * L * V * FLOAT,
-             "activations": s.layers * (16 * B * L * d + 2 * B * s.heads * L * L) * FLOAT}
+             "activations": s.layers * (16 * B * L * d + 2 * B * s.heads * L * L) * FLOAT,
+             "evaluation logits": s.eval_batch * L * V * FLOAT}
     if s.engine == "per_sample":
         parts["per-post gradients"] = B * P * FLOAT
     return Memory(parts, "train.batch_size", s.batch_size,

@@ -2,8 +2,9 @@
 vocabulary (selected with DP, or public), and the encoded training rows and evaluation windows.
 
 Everything here is deterministic given the settings and the seed: the split permutation and the
-vocabulary's selection noise are seeded by the cell's seed (a tied and an untied cell of one seed
-share their posts and their vocabulary, so their comparison is paired).
+vocabulary's selection noise are the cell's seed's ``split`` and ``vocab`` streams (``streams.py``;
+a tied and an untied cell of one seed share their posts and their vocabulary, so their comparison
+is paired).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from pipeline.lm import data, examples, vocab
+from pipeline.lm import data, examples, streams, vocab
 
 
 @dataclass
@@ -31,14 +32,16 @@ class Prepared:
 
 def prepare(s, seed: int) -> Prepared:
     """The posts, vocabulary and tensors of a cell with settings ``s`` (``config.Settings``)."""
-    posts = data.split(data.read_cached(str(data.resolve(s.archive))), valid_fraction=s.valid_fraction, seed=seed)
+    posts = data.split(data.read_cached(str(data.resolve(s.archive))), valid_fraction=s.valid_fraction,
+                       seed=streams.seed_of(seed, "split"))
     train = posts.train[: s.posts] if s.posts else posts.train
     valid = posts.valid[: s.eval_posts] if s.eval_posts else posts.valid
     test = posts.test[: s.eval_posts] if s.eval_posts else posts.test
     released = 0
     if s.vocab_kind == "private":
         cal = vocab.calibrate(eps=s.vocab_share * s.eps, delta=s.vocab_share * s.delta, max_pieces=s.max_pieces)
-        chosen = vocab.select(vocab.document_counts(train, s.max_pieces), cal, np.random.default_rng(seed))
+        chosen = vocab.select(vocab.document_counts(train, s.max_pieces), cal,
+                              np.random.default_rng(streams.seed_of(seed, "vocab")))
         released = len(chosen)
         tokenizer = vocab.train_private(chosen, s.vocab_size)
     else:

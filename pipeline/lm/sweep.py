@@ -2,12 +2,16 @@
 
 Written next to the sweep's ``results.csv`` (and copied to ``report.dir`` for DVC):
 
+Cells that differ in anything else the sweep varies (``CONDITIONS``: the vocabulary, the engine,
+the model's shape, ...) are kept apart, each such setting its own rows, selection and pairs.
+
 - ``table.csv`` / ``table.md``: test perplexity and accuracy, mean (sd) over seeds, of the tied and
   untied models at each eps (each at its learning rate selected on validation where several ran),
   beside the unigram and DP unigram references; a model that does not beat the DP unigram model at
   its eps is marked so;
 - ``gains.csv``: tying's relative perplexity gain, g_s = 1 - ppl(tied, s) / ppl(untied, s), paired
-  over seeds (a tied and an untied cell of one seed share their posts, vocabulary and streams), its
+  over seeds (a tied and an untied cell of one seed share their posts, vocabulary, Poisson batches
+  and noise stream: ``streams.py``), its
   mean and 95% Student-t interval per eps, and a verdict on DPFormer's claim that tying is
   essential under DP-SGD: ``reproduced`` where the interval lies above 0, ``contradicted`` where it
   lies below 0 (tying hurts), else ``inconclusive``; fewer than 2 paired seeds: ``inconclusive``;
@@ -41,29 +45,49 @@ def eps_label(eps: float) -> str:
     return "inf" if math.isinf(eps) else f"{eps:g}"
 
 
+CONDITIONS = ("vocab", "clipping", "C", "d", "layers", "L", "batch_size", "epochs", "dataset")  # what else a sweep may vary
+
+
+def settings(results: pd.DataFrame) -> pd.Series:
+    """Each row's setting: the ``CONDITIONS`` the sweep varies, as "vocab=public, d=64" ("" where it
+    varies none). Cells of different settings are never pooled, selected or paired together."""
+    varied = [c for c in CONDITIONS if c in results and results[c].nunique(dropna=False) > 1]
+    if not varied:
+        return pd.Series("", index=results.index)
+    return results[varied].astype(str).apply(lambda r: ", ".join(f"{k}={v}" for k, v in r.items()), axis=1)
+
+
+def _with_setting(results: pd.DataFrame) -> pd.DataFrame:
+    if "setting" in results:
+        return results
+    return results.assign(setting=settings(results))
+
+
 def _models(results: pd.DataFrame, split: str) -> pd.DataFrame:
+    results = _with_setting(results)
     rows = results[(results["split"] == split) & (results["method"] == "lm")].copy()
     rows["model"] = rows["tying"]
     return rows
 
 
 def selected(results: pd.DataFrame) -> pd.DataFrame:
-    """Per (model, eps): the learning rate with the lowest mean validation perplexity over seeds."""
+    """Per (setting, model, eps): the learning rate with the lowest mean validation perplexity over seeds."""
     valid = _models(results, "valid")
-    means = valid.groupby(["model", "eps", "lr"], sort=False)["perplexity"].mean().reset_index()
-    best = means.loc[means.groupby(["model", "eps"], sort=False)["perplexity"].idxmin()]
+    means = valid.groupby(["setting", "model", "eps", "lr"], sort=False)["perplexity"].mean().reset_index()
+    best = means.loc[means.groupby(["setting", "model", "eps"], sort=False)["perplexity"].idxmin()]
     return best.rename(columns={"perplexity": "valid_perplexity"}).reset_index(drop=True)
 
 
 def table(results: pd.DataFrame, picks: pd.DataFrame) -> pd.DataFrame:
-    """Long form: one row per (model, eps) at its selected learning rate, and the references; mean and
-    sd over seeds of test perplexity and accuracy, and each bucket's mean perplexity."""
-    test = _models(results, "test").merge(picks[["model", "eps", "lr"]])
+    """Long form: one row per (setting, model, eps) at its selected learning rate, and the references;
+    mean and sd over seeds of test perplexity and accuracy, and each bucket's mean perplexity."""
+    results = _with_setting(results)
+    test = _models(results, "test").merge(picks[["setting", "model", "eps", "lr"]])
     refs = results[(results["split"] == "test") & results["method"].isin(REFERENCES)].copy()
     refs["model"] = refs["method"]
-    refs = refs.drop_duplicates(["model", "eps", "seed"])  # the same in every cell of a seed and eps
+    refs = refs.drop_duplicates(["setting", "model", "eps", "seed"])  # the same in every cell of a setting, seed, eps
     rows = []
-    for frame, keys in ((test, ["model", "eps", "lr"]), (refs, ["model", "eps"])):
+    for frame, keys in ((test, ["setting", "model", "eps", "lr"]), (refs, ["setting", "model", "eps"])):
         for key, g in frame.groupby(keys, sort=False):
             row = dict(zip(keys, key)) | {"seeds": int(g["seed"].nunique())}
             for m in ("perplexity", "accuracy", *(f"perplexity_{b}" for b in BUCKETS)):
@@ -71,9 +95,9 @@ def table(results: pd.DataFrame, picks: pd.DataFrame) -> pd.DataFrame:
                 row[f"{m}_sd"] = float(g[m].std(ddof=1)) if len(g) > 1 else math.nan
             rows.append(row)
     long = pd.DataFrame(rows)
-    dp = long[long["model"] == "unigram_dp"].set_index("eps")["perplexity_mean"]
-    long["beats_dp_unigram"] = [None if m in REFERENCES or e not in dp.index else bool(p < dp[e])
-                                for m, e, p in zip(long["model"], long["eps"], long["perplexity_mean"])]
+    dp = long[long["model"] == "unigram_dp"].set_index(["setting", "eps"])["perplexity_mean"]
+    long["beats_dp_unigram"] = [None if m in REFERENCES or (g, e) not in dp.index else bool(p < dp[(g, e)])
+                                for g, m, e, p in zip(long["setting"], long["model"], long["eps"], long["perplexity_mean"])]
     return long
 
 
@@ -81,10 +105,13 @@ def _paired(results: pd.DataFrame, picks: pd.DataFrame, column: str) -> pd.DataF
     """Per eps: g_s = 1 - column(tied, s) / column(untied, s), each at its selected learning rate."""
     from scipy import stats
 
-    test = _models(results, "test").merge(picks[["model", "eps", "lr"]])
+    test = _models(results, "test").merge(picks[["setting", "model", "eps", "lr"]])
     out = []
-    for e, g in test.groupby("eps", sort=False):
-        per = g.pivot_table(index="seed", columns="model", values=column, aggfunc="mean")
+    for (setting, e), g in test.groupby(["setting", "eps"], sort=False):
+        if g.duplicated(["model", "seed"]).any():  # a setting CONDITIONS does not name varies: refuse to pool it
+            raise ValueError(f"cells of one model, eps and seed differ in a setting the sweep's table does not name "
+                             f"({setting or 'none named'}): nothing is averaged over it")
+        per = g.pivot_table(index="seed", columns="model", values=column)
         if not {"tied", "untied"} <= set(per.columns):
             continue
         gain = (1 - per["tied"] / per["untied"]).dropna()
@@ -95,9 +122,13 @@ def _paired(results: pd.DataFrame, picks: pd.DataFrame, column: str) -> pd.DataF
             half = float(stats.t.ppf(0.5 + LEVEL / 2, n - 1) * gain.std(ddof=1) / math.sqrt(n))
             low, high = mean - half, mean + half
         verdict = ("reproduced" if n >= 2 and low > 0 else "contradicted" if n >= 2 and high < 0 else "inconclusive")
-        out.append({"eps": e, "seeds": n, "gain_mean": mean, "ci_low": low, "ci_high": high, "verdict": verdict})
-    frame = pd.DataFrame(out, columns=["eps", "seeds", "gain_mean", "ci_low", "ci_high", "verdict"])
-    order = sorted(range(len(frame)), key=lambda i: (math.isinf(frame["eps"].iloc[i]), frame["eps"].iloc[i]))
+        if n == 0:  # no seed ran both: no pair
+            continue
+        out.append({"setting": setting, "eps": e, "seeds": n, "gain_mean": mean, "ci_low": low, "ci_high": high,
+                    "verdict": verdict})
+    frame = pd.DataFrame(out, columns=["setting", "eps", "seeds", "gain_mean", "ci_low", "ci_high", "verdict"])
+    order = sorted(range(len(frame)), key=lambda i: (frame["setting"].iloc[i], math.isinf(frame["eps"].iloc[i]),
+                                                     frame["eps"].iloc[i]))
     return frame.iloc[order].reset_index(drop=True)
 
 
@@ -107,7 +138,8 @@ def gains(results: pd.DataFrame, picks: pd.DataFrame) -> pd.DataFrame:
 
 def bucket_gains(results: pd.DataFrame, picks: pd.DataFrame) -> pd.DataFrame:
     frames = [_paired(results, picks, f"perplexity_{b}").assign(bucket=b) for b in BUCKETS]
-    return pd.concat(frames, ignore_index=True)[["bucket", "eps", "seeds", "gain_mean", "ci_low", "ci_high", "verdict"]]
+    return pd.concat(frames, ignore_index=True)[["setting", "bucket", "eps", "seeds", "gain_mean", "ci_low", "ci_high",
+                                                 "verdict"]]
 
 
 def _fmt(mean: float, sd: float, digits: int = 1) -> str:
@@ -121,7 +153,7 @@ def markdown(long: pd.DataFrame, paired: pd.DataFrame, buckets: pd.DataFrame, sc
     head = ["model", *(f"eps={eps_label(e)}" for e in eps)]
     lines = [f"Test perplexity (sd) / accuracy (%) over seeds, {scale}. * : does not beat the DP unigram model "
              f"at its eps.\n", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for model, g in long.groupby("model", sort=False):
+    for (setting, model), g in long.groupby(["setting", "model"], sort=False):
         cells = []
         for e in eps:
             hit = g[g["eps"] == e]
@@ -131,7 +163,7 @@ def markdown(long: pd.DataFrame, paired: pd.DataFrame, buckets: pd.DataFrame, sc
             r = hit.iloc[0]
             star = "*" if r["beats_dp_unigram"] is False else ""
             cells.append(f"{_fmt(r['perplexity_mean'], r['perplexity_sd'])}{star} / {100 * r['accuracy_mean']:.1f}")
-        lines.append(f"| {model} | " + " | ".join(cells) + " |")
+        lines.append(f"| {model}{f' ({setting})' if setting else ''} | " + " | ".join(cells) + " |")
     text = "\n".join(lines) + "\n"
     if len(paired):
         text += (f"\nTying's relative perplexity gain, 1 - ppl(tied) / ppl(untied), paired over seeds (mean and "
@@ -139,13 +171,15 @@ def markdown(long: pd.DataFrame, paired: pd.DataFrame, buckets: pd.DataFrame, sc
                  "| eps | seeds | gain | interval | verdict |\n|---|---|---|---|---|\n")
         for r in paired.itertuples():
             interval = "" if math.isnan(r.ci_low) else f"[{100 * r.ci_low:+.1f}%, {100 * r.ci_high:+.1f}%]"
-            text += f"| {eps_label(r.eps)} | {r.seeds} | {100 * r.gain_mean:+.1f}% | {interval} | {r.verdict} |\n"
+            where = f"{eps_label(r.eps)} ({r.setting})" if r.setting else eps_label(r.eps)
+            text += f"| {where} | {r.seeds} | {100 * r.gain_mean:+.1f}% | {interval} | {r.verdict} |\n"
     if len(buckets):
         text += "\nThe same gain per frequency bucket (head: the tokens of the first 50% of training targets, " \
                 "torso: to 90%, tail: the rest and unseen)\n\n| bucket | eps | seeds | gain | interval |\n|---|---|---|---|---|\n"
         for r in buckets.itertuples():
             interval = "" if math.isnan(r.ci_low) else f"[{100 * r.ci_low:+.1f}%, {100 * r.ci_high:+.1f}%]"
-            text += f"| {r.bucket} | {eps_label(r.eps)} | {r.seeds} | {100 * r.gain_mean:+.1f}% | {interval} |\n"
+            where = f"{eps_label(r.eps)} ({r.setting})" if r.setting else eps_label(r.eps)
+            text += f"| {r.bucket} | {where} | {r.seeds} | {100 * r.gain_mean:+.1f}% | {interval} |\n"
     return text
 
 
@@ -154,8 +188,9 @@ def scale(results: pd.DataFrame) -> str:
     r = results.iloc[0]
     low, high = int(results["V"].min()), int(results["V"].max())
     layers = int(r["layers"])
+    vocab = " and ".join(f"{v} vocabulary" for v in dict.fromkeys(results["vocab"]))
     return (f"GPT-2 with {layers} layer{'s' if layers > 1 else ''}, d = {int(r['d'])}, L = {int(r['L'])}, "
-            f"V = {low if low == high else f'{low}-{high}'}, {r['dataset']}")
+            f"{vocab}, V = {low if low == high else f'{low}-{high}'}, {r['dataset']}")
 
 
 NOT_LM = ("trials", "oracle", "plot", "evaluate", "regime", "attack", "method")  # NoisyHead's keys
@@ -166,6 +201,7 @@ def summarise(config: DictConfig, sweep_id: str, sweep_dir: Path, cells: sweep.C
     """Write the sweep's tables, figures and report; log them to the parent run; copy to report.dir."""
     sweep_dir = Path(sweep_dir)
     artifacts: list[Path] = [Path(csv)]
+    results = _with_setting(results)
     picks = selected(results)
     long = table(results, picks)
     long.to_csv(sweep_dir / "table.csv", index=False)
@@ -196,8 +232,12 @@ def summarise(config: DictConfig, sweep_id: str, sweep_dir: Path, cells: sweep.C
                                         "rate selected on validation; table.md holds the paired gains and verdicts",
                                 swept=reporting.grid(overrides))
     artifacts.append(page)
-    metrics = {f"{r.model}.eps_{eps_label(r.eps)}.test_perplexity": r.perplexity_mean for r in long.itertuples()}
-    metrics |= {f"tying_gain.eps_{eps_label(r.eps)}": r.gain_mean for r in paired.itertuples()}
+    def key(setting: str) -> str:
+        return f"{setting.replace(', ', '.').replace('=', '_')}." if setting else ""
+
+    metrics = {f"{key(r.setting)}{r.model}.eps_{eps_label(r.eps)}.test_perplexity": r.perplexity_mean
+               for r in long.itertuples()}
+    metrics |= {f"{key(r.setting)}tying_gain.eps_{eps_label(r.eps)}": r.gain_mean for r in paired.itertuples()}
     print(f"\n{name}: {text}\nreport: {page}", flush=True)
     sweep.parent_run(config, sweep_id, sweep_dir, cells, f"{name} ({len(cells.done)} cells)", list(map(str, artifacts)),
                      {"dataset": config.dataset.name}, {k: v for k, v in metrics.items() if not math.isnan(v)}, text,

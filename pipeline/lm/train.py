@@ -19,7 +19,7 @@ from typing import Callable
 
 import torch
 
-from pipeline.lm import engines
+from pipeline.lm import engines, streams
 from pipeline.validation import RunFailed
 
 ADAM_BETAS = (0.9, 0.999)
@@ -62,7 +62,8 @@ def plan(*, n_posts: int, batch_size: int, epochs: int, eps: float, delta: float
                                             accountant=accountant) + vocab_share * eps
     else:
         sigma, spent = 0.0, math.inf
-    return Plan(n_posts, B, q, per_epoch, steps, sigma, spent, delta, vocab_share * eps, vocab_share * delta)
+    vocab_eps = vocab_share * eps if vocab_share else 0.0  # not 0 x inf for a non-private run
+    return Plan(n_posts, B, q, per_epoch, steps, sigma, spent, delta, vocab_eps, vocab_share * delta)
 
 
 def schedule(steps: int, warmup: float) -> Callable[[int], float]:
@@ -101,7 +102,8 @@ def run(model, rows: torch.Tensor, mask: torch.Tensor, run_plan: Plan, *, engine
     clip = engines.make(engine, model, C)
     opt = torch.optim.Adam(model.parameters(), lr=lr, betas=ADAM_BETAS, weight_decay=weight_decay)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule(run_plan.steps, warmup))
-    gen = torch.Generator().manual_seed(seed + 1)  # Poisson sampling and noise
+    sampler = torch.Generator().manual_seed(streams.seed_of(seed, "sampling"))  # Poisson sampling
+    gen = torch.Generator().manual_seed(streams.seed_of(seed, "noise"))  # DP-SGD's noise
     history = History()
     model.train()  # dropout as configured (Opacus's hooks record in training mode only)
     dev = next(model.parameters()).device
@@ -109,7 +111,7 @@ def run(model, rows: torch.Tensor, mask: torch.Tensor, run_plan: Plan, *, engine
     for epoch in range(1, epochs + 1):
         loss_sum, norm_sum, seen = 0.0, 0.0, 0
         for _ in range(run_plan.steps_per_epoch):
-            pick = (torch.rand(run_plan.n_posts, generator=gen) < run_plan.sample_rate).nonzero().squeeze(1)
+            pick = (torch.rand(run_plan.n_posts, generator=sampler) < run_plan.sample_rate).nonzero().squeeze(1)
             if len(pick):
                 losses, norms = clip.step((rows[pick].to(dev), mask[pick].to(dev)))
             else:  # an empty Poisson sample: a zero sum (the noise alone, for a private run)
