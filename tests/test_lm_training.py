@@ -166,3 +166,39 @@ def test_every_engine_leaves_the_same_clipped_sum(tied):
     finally:
         torch.set_default_dtype(torch.float32)
     assert engines.refusal("fast", _tiny(tied)).startswith("clipping 'fast' is unknown")
+
+
+class _Stop(Exception):
+    pass
+
+
+def test_a_stopped_run_resumes_to_the_uninterrupted_numbers_and_another_key_starts_over(tmp_path):
+    """Killed after epoch 2 of 3 and re-launched into its folder: the same weights and history, bit
+    for bit, as a run never stopped (both generators, the schedule and Adam's state restored); a
+    checkpoint of another config is not resumed from."""
+    rows, mask = _corpus()
+    pl = train.plan(n_posts=rows.shape[0], batch_size=16, epochs=3, eps=4.0, delta=1e-5, private=True, vocab_share=0.0)
+    kw = dict(engine="phantom", C=1.0, lr=3e-2, warmup=0.1, weight_decay=0.0, seed=0)
+    whole = _tiny(True)
+    expected = train.run(whole, rows, mask, pl, **kw)
+    path = tmp_path / "checkpoint.pt"
+
+    def stop_after_two(epoch, metrics):
+        if epoch == 2:
+            raise _Stop
+
+    stopped = _tiny(True)
+    with pytest.raises(_Stop):
+        train.run(stopped, rows, mask, pl, **kw, on_epoch=stop_after_two, checkpoint=path, key={"config": "a"})
+    resumed = _tiny(True)
+    seen = []
+    history = train.run(resumed, rows, mask, pl, **kw, checkpoint=path, resume=True, key={"config": "a"},
+                        on_epoch=lambda e, m: seen.append(e))
+    assert seen == [1, 2, 3] and history.loss == expected.loss
+    for a, b in zip(whole.state_dict().values(), resumed.state_dict().values()):
+        assert torch.equal(a, b)
+    other = _tiny(True)
+    again = train.run(other, rows, mask, pl, **kw, checkpoint=path, resume=True, key={"config": "b"})
+    assert again.loss == expected.loss  # started over (and ended where an uninterrupted run ends)
+    with pytest.raises(ValueError, match="not checkpointed"):
+        train.run(_tiny(True), rows, mask, pl, **kw, checkpoint=path, canaries=object())

@@ -83,6 +83,30 @@ def test_a_checkpoint_the_disk_cannot_hold_leaves_no_temporary_file(tmp_path, mo
     assert sorted(p.name for p in tmp_path.iterdir()) == [checkpoint.NAME] and path.read_bytes() == before
 
 
+def test_the_shared_checkpoint_file_is_atomic_digested_and_keyed(tmp_path, monkeypatch):
+    """pipeline.checkpoints (the language model's): a full disk leaves the last file whole and no
+    .tmp; a changed byte or another key is not resumed from."""
+    from pipeline import checkpoints
+
+    path = tmp_path / checkpoints.NAME
+    checkpoints.save(path, {"key": {"k": 1}, "x": torch.arange(4)})
+    before = path.read_bytes()
+    assert torch.equal(checkpoints.load(path, {"k": 1})["x"], torch.arange(4))
+    assert checkpoints.load(path, {"k": 2}) is None
+
+    def full(src, dst):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(src))
+
+    monkeypatch.setattr(checkpoints.os, "replace", full)
+    with pytest.raises(OSError, match="No space left"):
+        checkpoints.save(path, {"key": {"k": 1}, "x": torch.zeros(4)})
+    assert sorted(p.name for p in tmp_path.iterdir()) == [checkpoints.NAME] and path.read_bytes() == before
+    raw = bytearray(before)
+    raw[-1] ^= 1
+    path.write_bytes(bytes(raw))
+    assert checkpoints.load(path, {"k": 1}) is None
+
+
 def test_a_full_disk_is_one_error_line():
     from pipeline.__main__ import full_disk
 

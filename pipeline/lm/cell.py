@@ -5,7 +5,8 @@ Parameters: ``data.*`` (posts, targets, vocabulary size, pieces released by the 
 reports it plus the vocabulary's share). Step metrics (per epoch): ``train.loss``,
 ``train.mean_grad_norm``, ``evaluate.valid_perplexity``. Final metrics: ``evaluate.<method>.<split>_*``
 for the model (``lm``), ``unigram`` and ``unigram_dp``. Artifacts: ``results.csv`` (one row per
-method and split), ``history.csv``, ``curves.png``.
+method and split), ``history.csv``, ``curves.png``; while it trains, ``checkpoint.pt`` (``train.checkpoint``: a run re-launched into
+its folder, or a resumed sweep's cell, continues from its last finished epoch; removed once FINISHED).
 
 What a private run logs besides the model (per-epoch loss and mean gradient norm, validation
 perplexity) is not private: diagnostics for the person training, as in DPFormer's runs.
@@ -22,7 +23,7 @@ import pandas as pd
 import torch
 from omegaconf import DictConfig
 
-from pipeline import device, tracking
+from pipeline import checkpoints, device, tracking
 from pipeline.sweep import progress
 from pipeline.lm import config, evaluate, models, plot, streams, train
 from pipeline.lm.prepare import prepare
@@ -60,6 +61,7 @@ def run(cfg: DictConfig, s: config.Settings) -> Path:
     out = tracking.output_dir()
     job = tracking.begin_cell(cfg, out)
     if job is None:  # a resumed sweep: this folder holds the same cell, finished
+        checkpoints.remove(out / checkpoints.NAME)  # left if the process died between its record and the removal
         return out / "results.csv"
     prep = prepare(s, s.seed)  # the archive was read and checked by config.validate
     data_seconds = time.perf_counter() - start
@@ -101,8 +103,13 @@ def run(cfg: DictConfig, s: config.Settings) -> Path:
 
         device.reset_peak(dev)
         t0 = time.perf_counter()
+        saved = out / checkpoints.NAME if s.checkpoint else None
+        resume = job.sweep is None or job.sweep.resume  # a single run re-launched into its folder, a resumed sweep
+        key = {"config_hash": job.digest, "code_hash": checkpoints.code_hash(), "device": dev.type,
+               "data_hash": checkpoints.tensors_hash(prep.rows, prep.mask, *prep.splits["valid"], *prep.splits["test"])}
         history = train.run(model, prep.rows, prep.mask, run_plan, engine=s.engine, C=s.C, lr=s.lr, warmup=s.warmup,
-                            weight_decay=s.weight_decay, seed=s.seed, validate=validate, on_epoch=on_epoch)
+                            weight_decay=s.weight_decay, seed=s.seed, validate=validate, on_epoch=on_epoch,
+                            checkpoint=saved, resume=resume, key=key)
         device.synchronize(dev)
         seconds = time.perf_counter() - t0
         epochs = len(history.loss)
@@ -136,6 +143,7 @@ def run(cfg: DictConfig, s: config.Settings) -> Path:
         tracking.log_metrics("cell", {"seconds": cell_seconds})
     job.finished(active.info.run_id, {"device": str(dev), "device_name": device.name(dev), "seconds": cell_seconds,
                                       "seconds_per_epoch": seconds / max(epochs, 1), "peak_memory_gb": peak})
+    checkpoints.remove(saved)  # FINISHED: the results stay, the optimizer state goes
     shown = results[["method", "split", "perplexity", "accuracy"]].to_string(index=False, float_format="%.3f")
     log.info("%s (V = %d, sigma = %.4g, eps spent = %.4g)\n%s", name, prep.V, run_plan.sigma, run_plan.spent_eps, shown)
     log.info("wrote %s, %s, %s; MLflow run %s: %s", csv, curves, fig, active.info.run_id,

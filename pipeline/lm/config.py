@@ -13,7 +13,7 @@ The keys (``conf/lm/``'s groups and ``conf/lm/experiment/lm_cpu.yaml``, where ea
 - ``model``: ``d``, ``layers``, ``heads``, ``tied``, ``dropout``;
 - ``clipping``: ``name`` (phantom, per_sample, ghost, none), ``C``;
 - ``train``: ``batch_size``, ``epochs``, ``lr``, ``warmup``, ``weight_decay``, ``accountant``,
-  ``eval_batch``, ``threads``;
+  ``eval_batch``, ``threads``, ``checkpoint``;
 - ``privacy``: ``eps``, ``delta`` (the run's whole budget, the vocabulary's share included).
 """
 
@@ -59,6 +59,7 @@ class Settings:
     accountant: str
     eval_batch: int
     threads: int | None
+    checkpoint: bool
     eps: float
     delta: float
     seed: int
@@ -125,6 +126,9 @@ def settings(cfg: DictConfig) -> Settings:
     accountant = _choice(tr.accountant, "train.accountant", ACCOUNTANTS)
     eval_batch = validation.positive_int(tr.get("eval_batch", 64), "train.eval_batch")
     threads = validation.threads(tr.get("threads"), "train.threads")
+    checkpoint = tr.get("checkpoint", True)
+    if not isinstance(checkpoint, bool):
+        raise ConfigError(f"train.checkpoint must be true or false, got {checkpoint!r}")
     eps = pr.eps if pr.eps == math.inf else validation.number(pr.eps, "privacy.eps")
     if not (eps > 0 and (eps == math.inf or eps <= validation.MAX_EPS)):
         raise ConfigError(f"privacy.eps must lie in (0, {validation.MAX_EPS:g}] or be inf, got {pr.eps!r}")
@@ -137,7 +141,7 @@ def settings(cfg: DictConfig) -> Settings:
     delta = _unit(pr.delta, "privacy.delta", closed_low=False)
     return Settings(ds.archive, valid_fraction, posts, eval_posts, L, kind, size, share, max_pieces, d, layers, heads,
                     m.tied, dropout, engine, C, batch_size, epochs, lr, warmup, weight_decay, accountant, eval_batch,
-                    threads, eps, delta, validation.seed(cfg.seed))
+                    threads, checkpoint, eps, delta, validation.seed(cfg.seed))
 
 
 def validate(cfg: DictConfig) -> Settings:

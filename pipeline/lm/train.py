@@ -13,16 +13,20 @@ empty Poisson sample still releases the noise, and the accountant counts every s
 
 from __future__ import annotations
 
+import logging
 import math
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Callable
 
 import torch
 
+from pipeline import checkpoints
 from pipeline.lm import engines, streams
 from pipeline.validation import RunFailed
 
 ADAM_BETAS = (0.9, 0.999)
+log = logging.getLogger(__name__)
 
 
 class Diverged(RunFailed):
@@ -91,12 +95,19 @@ def add_noise(model, sigma: float, C: float, generator: torch.Generator) -> None
 
 def run(model, rows: torch.Tensor, mask: torch.Tensor, run_plan: Plan, *, engine: str, C: float, lr: float,
         warmup: float, weight_decay: float, seed: int, validate: Callable | None = None,
-        on_epoch: Callable[[int, dict], None] | None = None, canaries=None) -> History:
+        on_epoch: Callable[[int, dict], None] | None = None, canaries=None, checkpoint: Path | None = None,
+        resume: bool = False, key: dict | None = None) -> History:
     """Train ``model`` in place on the (n, L + 1) ``rows`` and their target ``mask``. With
     ``canaries`` (``pipeline.canaries.DiracCanaries``, the whole-run audit), the sampled included
     canaries join every step's clipped sum before the noise, and the noisy sum is observed. The
     rows stay where they are; each step's sample moves to the model's device (Poisson sampling and
-    noise are drawn on the CPU)."""
+    noise are drawn on the CPU). With ``checkpoint`` (a path), everything the next epoch depends on
+    (model, optimizer, schedule, both generators, torch's global generator, the history, the
+    accountant's steps so far) is saved there at the end of every epoch (``pipeline.checkpoints``);
+    with ``resume``, a checkpoint there whose ``key`` matches is continued from, and the run ends
+    with the numbers of an uninterrupted one."""
+    if canaries is not None and checkpoint is not None:
+        raise ValueError("a canary audit is not checkpointed: its canaries' sums live in memory only")
     if canaries is not None and engine == "none":
         raise ValueError("canaries audit a private run: engine none has no clipped sum to join")
     clip = engines.make(engine, model, C)
@@ -108,7 +119,23 @@ def run(model, rows: torch.Tensor, mask: torch.Tensor, run_plan: Plan, *, engine
     model.train()  # dropout as configured (Opacus's hooks record in training mode only)
     dev = next(model.parameters()).device
     epochs = run_plan.steps // run_plan.steps_per_epoch
-    for epoch in range(1, epochs + 1):
+    first = 1
+    state = checkpoints.load(checkpoint, key or {}) if resume else None
+    if state is not None:
+        model.load_state_dict(state["model"])
+        opt.load_state_dict(state["optimizer"])
+        sched.load_state_dict(state["schedule"])
+        sampler.set_state(state["sampler"])
+        gen.set_state(state["noise"])
+        torch.set_rng_state(state["cpu_rng"])
+        history = History(**state["history"])
+        first = int(state["epoch"]) + 1
+        log.info("resume: %s holds epoch %d of %d; continuing from epoch %d", checkpoint, first - 1, epochs, first)
+        if on_epoch is not None:  # the restored epochs' metrics, for this run's record
+            for e, loss in enumerate(history.loss, start=1):
+                valid = history.valid[e - 1] if len(history.valid) >= e else {}
+                on_epoch(e, {"loss": loss, **{f"valid_{k}": v for k, v in valid.items() if k != "epoch"}})
+    for epoch in range(first, epochs + 1):
         loss_sum, norm_sum, seen = 0.0, 0.0, 0
         for _ in range(run_plan.steps_per_epoch):
             pick = (torch.rand(run_plan.n_posts, generator=sampler) < run_plan.sample_rate).nonzero().squeeze(1)
@@ -145,6 +172,13 @@ def run(model, rows: torch.Tensor, mask: torch.Tensor, run_plan: Plan, *, engine
             found = validate(model)
             history.valid.append({"epoch": epoch, **found})
             metrics |= {f"valid_{k}": v for k, v in found.items()}
+        if checkpoint is not None:
+            checkpoints.save(checkpoint, {
+                "key": key or {}, "epoch": epoch, "model": model.state_dict(), "optimizer": opt.state_dict(),
+                "schedule": sched.state_dict(), "sampler": sampler.get_state(), "noise": gen.get_state(),
+                "cpu_rng": torch.get_rng_state(), "history": asdict(history),
+                "accountant": {"sigma": run_plan.sigma, "sample_rate": run_plan.sample_rate,
+                               "steps": epoch * run_plan.steps_per_epoch}})
         if on_epoch is not None:
             on_epoch(epoch, metrics)
     return history
