@@ -246,3 +246,13 @@ def test_a_killed_lm_cell_relaunched_into_its_folder_continues(tmp_path):
     assert pd.read_csv(folder / "results.csv").equals(pd.read_csv(tmp_path / "whole" / "results.csv"))
     assert pd.read_csv(folder / "history.csv").equals(pd.read_csv(tmp_path / "whole" / "history.csv"))
     assert not (folder / checkpoints.NAME).exists() and not (tmp_path / "whole" / checkpoints.NAME).exists()
+
+
+def test_streams_are_distinct_per_use_and_seed_and_replay():
+    from pipeline.lm import streams
+
+    seeds = {(s, n): streams.seed_of(s, n) for s in range(20) for n in streams.NAMES}
+    assert len(set(seeds.values())) == len(seeds)  # no two uses or seeds share a stream (seed s's noise is no s+1's init)
+    assert streams.seed_of(3, "noise") == seeds[(3, "noise")] and all(0 <= v < 2**63 for v in seeds.values())
+    with pytest.raises(ValueError, match="unknown stream"):
+        streams.seed_of(0, "dropout")
