@@ -136,8 +136,9 @@ def run(cfg: DictConfig, s: config.Settings) -> Path:
         csv = out / "results.csv"
         results.to_csv(csv, index=False)
         curves = out / "history.csv"
-        history_frame(history).to_csv(curves, index=False)
-        fig = plot.curves(history_frame(history), out / "curves.png", title=name)
+        per_epoch = history_frame(history)
+        per_epoch.to_csv(curves, index=False)
+        fig = plot.curves(per_epoch, out / "curves.png", title=name)
         tracking.log_artifacts(csv, curves, fig)
         cell_seconds = time.perf_counter() - start
         tracking.log_metrics("cell", {"seconds": cell_seconds})
