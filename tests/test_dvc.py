@@ -16,6 +16,8 @@ ARCHIVE = ROOT.parent / "shared" / "data" / "20news-bydate.tar.gz"
 AMAZON = ROOT.parent / "shared" / "data" / "amazon-games-sasrec.txt"
 STAGES = ("fig1", "fig2", "fig3", "fig4", "fig5", "table1", "fig6", "beyond_lowdim", "beyond_highdim")
 DPFORMER = ("dpformer_fig2", "dpformer_table1", "dpformer_fig7", "dpformer_table2")
+LM = ("lm_tying", "lm_cost")
+PREFIXES = {"dpformer": "dpformer_", "lm": "lm_"}  # a stage's task by its name; NoisyHead's have no prefix
 
 pytestmark = pytest.mark.skipif(shutil.which("dvc") is None or not ARCHIVE.is_file() or not AMAZON.is_file(),
                                 reason="needs dvc, ../shared/data/20news-bydate.tar.gz and amazon-games-sasrec.txt")
@@ -42,6 +44,10 @@ def _copy(tmp_path) -> Path:
         f"amazon: {AMAZON}\ndpformer_synthetic_data: synthetic_longtail_tiny\ndpformer_amazon_data: amazon_games_tiny\n"
         "dpformer_jobs: 2\ndpformer_device: cpu\ndpformer_extra: seed=0 seqrec.epochs=1 model.d=8 model.d_ff=16 "
         "mlflow.tracking_uri=sqlite:///mlflow.db\ndpformer_fig3_grid: --B 2 --L 4 --M 20 --repeats 1\n"
+        "lm_jobs: 2\nlm_device: cpu\nlm_extra: dataset.posts=60 dataset.eval_posts=10 dataset.L=8 vocab.size=300 "
+        "model.d=8 model.layers=1 model.heads=2 train.batch_size=20 train.epochs=1 train.validate_every=1 "
+        "privacy.eps=1,inf seed=0,1 mlflow.tracking_uri=sqlite:///mlflow.db\n"
+        "lm_cost_grid: --V 300 600 --B 2 --L 4 --d 8 --layers 1 --heads 2 --repeats 1\n"
     )
     run(["git", "init", "-q"], repo)
     run(["git", "-c", "user.name=ci", "-c", "user.email=ci@example.org", "add", "-A"], repo)
@@ -101,39 +107,57 @@ def _dpformer_artifacts(repo: Path) -> None:
     assert (distraction / "distraction.png").stat().st_size > 0
 
 
+def _lm_artifacts(repo: Path) -> None:
+    out = repo / "artifacts/lm_tying"  # tied and untied, eps 1 and non-private, two seeds, two learning rates
+    assert "<img" in (out / "report.html").read_text()
+    gains = pd.read_csv(out / "gains.csv")
+    assert len(gains) == 2 and set(gains["verdict"]) <= {"reproduced", "contradicted", "inconclusive"}
+    assert set(pd.read_csv(out / "buckets.csv")["bucket"]) == {"head", "torso", "tail"}
+    assert len(pd.read_csv(out / "grid.csv")) == 4  # each model at each eps, its learning rate
+    assert json.loads((out / "metrics.json").read_text())["cells"] == 16
+    cost = json.loads((repo / "artifacts/lm_cost/cost.json").read_text())
+    assert len(cost) == 12 and all("error" not in r for r in cost)  # six engines and tyings at two V
+    assert (repo / "artifacts/lm_cost/cost.png").stat().st_size > 0
+
+
 def _stages(task: str) -> list[str]:
-    """Every stage of dvc.yaml of one task (NoisyHead's, features included, or DPFormer's): the two
-    halves share no stage and no dependency, so each is rebuilt in a copy of its own, side by side
-    under pytest-xdist (together they took 16 minutes, the suite's longest path)."""
+    """Every stage of dvc.yaml of one task (NoisyHead's, features included, DPFormer's or the
+    language model's): the parts share no stage and no dependency, so each is rebuilt in a copy of
+    its own, side by side under pytest-xdist."""
     names = yaml.safe_load((ROOT / "dvc.yaml").read_text())["stages"]
-    return [n for n in names if n.startswith("dpformer") == (task == "dpformer")]
+    if task == "noisyhead":
+        return [n for n in names if not n.startswith(tuple(PREFIXES.values()))]
+    return [n for n in names if n.startswith(PREFIXES[task])]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("task", ["noisyhead", "dpformer"])
+@pytest.mark.parametrize("task", ["noisyhead", "dpformer", "lm"])
 def test_dvc_repro_builds_every_artifact_and_then_does_nothing(tmp_path, task):
     repo = _copy(tmp_path)
     stages = _stages(task)
     first = run(["dvc", "repro", *stages], repo)
     if task == "noisyhead":
         _noisyhead_artifacts(repo, first)
-    else:
+    elif task == "dpformer":
         _dpformer_artifacts(repo)
+    else:
+        _lm_artifacts(repo)
     second = run(["dvc", "repro", *stages], repo)
     assert "Running stage" not in second, second
     assert "up to date" in second.lower() or "didn't change" in second.lower(), second
     shown = run(["dvc", "metrics", "show"], repo)
-    assert ("artifacts/fig1/metrics.json" if task == "noisyhead" else "artifacts/dpformer_table1/metrics.json") in shown
+    assert {"noisyhead": "artifacts/fig1/metrics.json", "dpformer": "artifacts/dpformer_table1/metrics.json",
+            "lm": "artifacts/lm_tying/metrics.json"}[task] in shown
 
 
-def test_the_two_halves_of_the_rebuild_cover_every_stage_and_share_none():
-    """The end-to-end test rebuilds NoisyHead's and DPFormer's stages apart: each half must be
-    closed under dependencies (no stage of one reads an output of the other) and together they are
-    dvc.yaml's every stage."""
+def test_the_parts_of_the_rebuild_cover_every_stage_and_share_none():
+    """The end-to-end test rebuilds NoisyHead's, DPFormer's and the language model's stages apart:
+    each part must be closed under dependencies (no stage of one reads an output of another) and
+    together they are dvc.yaml's every stage."""
     stages = yaml.safe_load((ROOT / "dvc.yaml").read_text())["stages"]
-    halves = [set(_stages("noisyhead")), set(_stages("dpformer"))]
-    assert halves[0] | halves[1] == set(stages) and not halves[0] & halves[1]
-    assert set(STAGES) | {"features"} <= halves[0] and set(DPFORMER) <= halves[1]
+    halves = [set(_stages("noisyhead")), set(_stages("dpformer")), set(_stages("lm"))]
+    assert set.union(*halves) == set(stages) and sum(map(len, halves)) == len(stages)
+    assert set(STAGES) | {"features"} <= halves[0] and set(DPFORMER) <= halves[1] and set(LM) == halves[2]
     for half in halves:
         made = {str(o if isinstance(o, str) else next(iter(o))) for n in half for o in stages[n].get("outs", [])}
         other = {str(o if isinstance(o, str) else next(iter(o))) for n in stages if n not in half
@@ -163,6 +187,13 @@ LOADS = {  # what a stage's process imports: its entry points and the modules it
                              "hydra_plugins.pipeline_sweeper.searchpath"],
     "dpformer_fig3": ["benchmarks.seqrec_step", "pipeline.seqrec.clipping", "pipeline.seqrec.models",
                       "pipeline.seqrec.train"],
+    "lm_tying": ["pipeline.__main__", "pipeline.tasks", "pipeline.overrides", "pipeline.preflight", "pipeline.sweep",
+                 "pipeline.lm.task", "pipeline.lm.cell", "pipeline.lm.sweep", "pipeline.lm.config",
+                 "pipeline.lm.prepare", "pipeline.lm.memory", "pipeline.lm.engines", "pipeline.clipping",
+                 "pipeline.clipping.opacus", "hydra_plugins.pipeline_sweeper.validating_sweeper",
+                 "hydra_plugins.pipeline_sweeper.searchpath"],
+    "lm_cost": ["benchmarks.lm_step", "pipeline.lm.engines", "pipeline.lm.models", "pipeline.lm.examples",
+                "pipeline.clipping", "pipeline.clipping.opacus", "pipeline.plot"],
 }
 
 
@@ -183,8 +214,10 @@ def test_a_stage_depends_on_every_module_it_loads(stage):
     loaded = {Path(f).resolve().relative_to(ROOT).as_posix() for f in proc.stdout.split()}
     missing = [f for f in sorted(loaded) if not any(f == d or f.startswith(d.rstrip("/") + "/") for d in deps)]
     assert not missing, f"{stage} does not depend on {missing}"
-    if stage.startswith("dpformer"):
+    if stage.startswith(("dpformer", "lm_")):
         assert not any(f.startswith("pipeline/noisyhead") for f in loaded) and "pipeline/noisyhead" not in deps
+        other = "pipeline/lm" if stage.startswith("dpformer") else "pipeline/seqrec"
+        assert not any(f.startswith(other) for f in loaded) and other not in deps
     else:
         assert not any(d.startswith("pipeline/seqrec") for d in deps) and not any("seqrec" in f for f in loaded)
 

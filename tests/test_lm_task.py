@@ -57,7 +57,10 @@ def _cfg(archive, **changes):
 def test_a_cells_inputs_are_seeded_and_split_as_configured(tmp_path):
     archive = _archive(tmp_path / "news.tar.gz")
     s = config.validate(_cfg(archive))
-    one, two = prepare(s, 0), prepare(s, 0)
+    from pipeline.lm.prepare import _prepare
+
+    one, two = prepare(s, 0), _prepare(s, 0)  # the second made afresh, not from the process's memo
+    assert one is not two
     assert torch.equal(one.rows, two.rows) and torch.equal(one.splits["test"][0], two.splits["test"][0])
     assert one.stats["train_posts"] == 96 and one.stats["valid_posts"] == 24 and one.stats["test_posts"] == 30
     assert one.rows.shape[1] == 17 and one.mask.shape == (96, 16)
@@ -65,6 +68,28 @@ def test_a_cells_inputs_are_seeded_and_split_as_configured(tmp_path):
     # every evaluation token after a post's first is a target once: targets = tokens - posts
     test_ids = sum(len(one.tokenizer.encode(t).ids) + 1 for t in data.read(archive)["test"])
     assert one.stats["test_targets"] == test_ids - 30
+
+
+def test_cells_that_read_the_same_inputs_share_them_and_no_other_does(tmp_path):
+    """A sweep's worker prepares each seed's posts and vocabulary once: tying, the engine, the
+    learning rate and (for a public vocabulary) eps do not change them; the seed, the counts, a
+    private vocabulary's budget and the archive itself do."""
+    import os
+
+    archive = _archive(tmp_path / "news.tar.gz", n_train=400)
+    base = prepare(config.validate(_cfg(archive)), 0)
+    same = [_cfg(archive, model__tied=False), _cfg(archive, train__lr=0.5), _cfg(archive, privacy__eps=1.0),
+            _cfg(archive, clipping__name="none", privacy__eps=math.inf)]
+    for cfg in same:
+        assert prepare(config.validate(cfg), 0) is base
+    assert prepare(config.validate(_cfg(archive)), 1) is not base
+    assert prepare(config.validate(_cfg(archive, dataset__posts=90)), 0) is not base
+    private = [config.validate(_cfg(archive, vocab__kind="private", vocab__eps_share=0.5, privacy__eps=e))
+               for e in (4.0, 8.0)]
+    assert prepare(private[0], 0) is not prepare(private[1], 0)  # the selection's budget differs
+    st = os.stat(archive)
+    os.utime(archive, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))  # the archive replaced in place
+    assert prepare(config.validate(_cfg(archive)), 0) is not base
 
 
 def test_a_private_vocabulary_is_selected_with_its_share_and_public_names_itself(tmp_path):
@@ -256,3 +281,22 @@ def test_streams_are_distinct_per_use_and_seed_and_replay():
     assert streams.seed_of(3, "noise") == seeds[(3, "noise")] and all(0 <= v < 2**63 for v in seeds.values())
     with pytest.raises(ValueError, match="unknown stream"):
         streams.seed_of(0, "dropout")
+
+
+def test_a_vocabulary_larger_than_the_posts_allow_is_refused_and_the_bound_holds_for_real_bpe(tmp_path):
+    """The corpus of 20 words allows 257 + sum(len(piece) - 1) tokens at most: a larger vocab.size is
+    refused naming it (public and private: a private selection sees each post's contribution only),
+    and BPE trained with room to spare stops within the bound."""
+    from pipeline.lm import vocab
+
+    archive = _archive(tmp_path / "news.tar.gz")
+    pieces = {p for w in WORDS for p in vocab.pieces(w)} | {p for w in WORDS for p in vocab.pieces(" " + w)}
+    posts = data.split(data.read(archive), valid_fraction=0.2, seed=0).train
+    seen = {p for post in posts for p in vocab.pieces(post)}
+    assert seen <= pieces
+    most = 257 + sum(len(p) - 1 for p in seen)
+    assert vocab.reachable(posts, most) is None and vocab.reachable(posts, most + 1) == most
+    for kind, share in (("public", 0.0), ("private", 0.5)):
+        with pytest.raises(ConfigError, match=r"^vocab.size = 2000 is more than BPE can make from the 96 training posts"):
+            config.validate(_cfg(archive, vocab__size=2000, vocab__kind=kind, vocab__eps_share=share))
+    assert vocab.train_public(posts, most + 50).get_vocab_size() <= most

@@ -202,3 +202,58 @@ def test_a_stopped_run_resumes_to_the_uninterrupted_numbers_and_another_key_star
     assert again.loss == expected.loss  # started over (and ended where an uninterrupted run ends)
     with pytest.raises(ValueError, match="not checkpointed"):
         train.run(_tiny(True), rows, mask, pl, **kw, checkpoint=path, canaries=object())
+
+
+def test_validation_runs_every_kth_epoch_and_after_the_last_and_survives_a_resume(tmp_path):
+    """``train.validate_every = 2`` over 3 epochs validates after epochs 2 and 3 only; a run stopped
+    after epoch 2 and resumed reports epoch 2's validation from its checkpoint, not a new one, and
+    the per-epoch frame leaves epoch 1's blank."""
+    from pipeline.lm.cell import history_frame
+
+    rows, mask = _corpus()
+    pl = train.plan(n_posts=rows.shape[0], batch_size=16, epochs=3, eps=4.0, delta=1e-5, private=True, vocab_share=0.0)
+    calls = []
+
+    def validate(m):
+        calls.append(len(calls))
+        return {"perplexity": float(len(calls)), "accuracy": 0.5}
+
+    kw = dict(engine="phantom", C=1.0, lr=3e-2, warmup=0.1, weight_decay=0.0, seed=0, validate=validate,
+              validate_every=2)
+    history = train.run(_tiny(True), rows, mask, pl, **kw)
+    assert [v["epoch"] for v in history.valid] == [2, 3] and len(calls) == 2
+    frame = history_frame(history)
+    assert math.isnan(frame["valid_perplexity"][0]) and frame["valid_perplexity"][1:].tolist() == [1.0, 2.0]
+
+    def stop_after_two(epoch, metrics):
+        if epoch == 2:
+            raise _Stop
+
+    path = tmp_path / "checkpoint.pt"
+    calls.clear()
+    with pytest.raises(_Stop):
+        train.run(_tiny(True), rows, mask, pl, **kw, on_epoch=stop_after_two, checkpoint=path, key={"k": 1})
+    reported = {}
+    resumed = train.run(_tiny(True), rows, mask, pl, **kw, checkpoint=path, resume=True, key={"k": 1},
+                        on_epoch=lambda e, m: reported.setdefault(e, m))
+    assert len(calls) == 2  # epoch 2's validation before the stop, epoch 3's after the resume
+    assert "valid_perplexity" not in reported[1] and reported[2]["valid_perplexity"] == 1.0
+    assert [v["epoch"] for v in resumed.valid] == [2, 3]
+
+
+def test_the_cost_benchmark_times_each_engine_on_the_tasks_model_and_draws_the_ratios(tmp_path):
+    """benchmarks/lm_step.py (experiment 3) at a toy size, in-process: each engine and tying gives a
+    time and a memory figure on the task's GPT-2; the figure draws the private engines' ratios."""
+    from benchmarks import lm_step
+
+    rows = []
+    for name in lm_step.CELLS:
+        row = lm_step.cell(name, V=300, B=2, L=4, d=8, layers=1, heads=2, repeats=1, device="cpu")
+        assert row["seconds"] > 0 and row["tying"] == name.split(":")[1], row
+        rows.append(row | {"time_ratio": 1.5, "memory_ratio": 1.2})
+    tied = {r["cell"]: r["parameters"] for r in rows}
+    assert tied["none:untied"] - tied["none:tied"] == 300 * 8  # the untied model holds a second table
+    lm_step.figure(rows, tmp_path / "cost.png")
+    assert (tmp_path / "cost.png").stat().st_size > 0
+    with pytest.raises(ValueError, match="cannot clip a tied model"):
+        lm_step.cell("ghost:tied", V=300, B=2, L=4, d=8, layers=1, heads=2, repeats=1, device="cpu")

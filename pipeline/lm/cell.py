@@ -89,9 +89,12 @@ def run(cfg: DictConfig, s: config.Settings) -> Path:
                              dropout=s.dropout, eos_id=prep.eos_id).to(dev)
         tracking.log_params("model", {"parameters": models.parameters(model)})
         valid = {"valid": prep.splits["valid"]}
+        bucket_of = evaluate.buckets(prep.rows, prep.mask, prep.V)
+        last_valid: list[dict] = []  # the latest validation row: the trained model's, reused for results.csv
 
         def validate(m) -> dict:
-            found = evaluate.model_rows(m, valid, torch.zeros(prep.V, dtype=torch.long), s.eval_batch)[0]
+            found = evaluate.model_rows(m, valid, bucket_of, s.eval_batch)[0]
+            last_valid[:] = [found]
             return {"perplexity": found["perplexity"], "accuracy": found["accuracy"]}
 
         def on_epoch(epoch: int, metrics: dict) -> None:
@@ -109,13 +112,15 @@ def run(cfg: DictConfig, s: config.Settings) -> Path:
                "data_hash": checkpoints.tensors_hash(prep.rows, prep.mask, *prep.splits["valid"], *prep.splits["test"])}
         history = train.run(model, prep.rows, prep.mask, run_plan, engine=s.engine, C=s.C, lr=s.lr, warmup=s.warmup,
                             weight_decay=s.weight_decay, seed=s.seed, validate=validate, on_epoch=on_epoch,
-                            checkpoint=saved, resume=resume, key=key)
+                            checkpoint=saved, resume=resume, key=key, validate_every=s.validate_every)
         device.synchronize(dev)
         seconds = time.perf_counter() - t0
         epochs = len(history.loss)
         tracking.log_metrics("train", {"seconds": seconds, "seconds_per_epoch": seconds / max(epochs, 1)})
-        bucket_of = evaluate.buckets(prep.rows, prep.mask, prep.V)
-        rows = evaluate.model_rows(model, prep.splits, bucket_of, s.eval_batch)
+        # the last epoch's validation is the trained model's (evaluated once, not twice); a run resumed
+        # from a checkpoint of its last epoch has none in this process and evaluates it here
+        rows = last_valid or evaluate.model_rows(model, valid, bucket_of, s.eval_batch)
+        rows += evaluate.model_rows(model, {"test": prep.splits["test"]}, bucket_of, s.eval_batch)
         dp_eps = (1 - s.vocab_share) * s.eps
         rows += evaluate.reference_rows(prep.rows, prep.mask, prep.V, prep.splits, bucket_of, eps=dp_eps,
                                         delta=(1 - s.vocab_share) * s.delta, seed=s.seed)
@@ -159,6 +164,7 @@ def history_frame(history: train.History) -> pd.DataFrame:
     """One row per epoch: training loss, mean per-post gradient norm, validation perplexity and accuracy."""
     frame = pd.DataFrame({"epoch": range(1, len(history.loss) + 1), "loss": history.loss,
                           "mean_grad_norm": history.mean_norm})
+    found = {int(v["epoch"]): v for v in history.valid}  # the validated epochs (train.validate_every)
     for key in ("perplexity", "accuracy"):
-        frame[f"valid_{key}"] = [v.get(key, math.nan) for v in history.valid] if history.valid else math.nan
+        frame[f"valid_{key}"] = [found.get(e, {}).get(key, math.nan) for e in frame["epoch"]]
     return frame

@@ -13,7 +13,7 @@ The keys (``conf/lm/``'s groups and ``conf/lm/experiment/lm_cpu.yaml``, where ea
 - ``model``: ``d``, ``layers``, ``heads``, ``tied``, ``dropout``;
 - ``clipping``: ``name`` (phantom, per_sample, ghost, none), ``C``;
 - ``train``: ``batch_size``, ``epochs``, ``lr``, ``warmup``, ``weight_decay``, ``accountant``,
-  ``eval_batch``, ``threads``, ``checkpoint``;
+  ``eval_batch``, ``validate_every``, ``threads``, ``checkpoint``;
 - ``privacy``: ``eps``, ``delta`` (the run's whole budget, the vocabulary's share included).
 """
 
@@ -58,6 +58,7 @@ class Settings:
     weight_decay: float
     accountant: str
     eval_batch: int
+    validate_every: int
     threads: int | None
     checkpoint: bool
     eps: float
@@ -125,6 +126,7 @@ def settings(cfg: DictConfig) -> Settings:
         raise ConfigError(f"train.weight_decay must be >= 0, got {tr.weight_decay!r}")
     accountant = _choice(tr.accountant, "train.accountant", ACCOUNTANTS)
     eval_batch = validation.positive_int(tr.get("eval_batch", 64), "train.eval_batch")
+    validate_every = validation.positive_int(tr.get("validate_every", 1), "train.validate_every")
     threads = validation.threads(tr.get("threads"), "train.threads")
     checkpoint = tr.get("checkpoint", True)
     if not isinstance(checkpoint, bool):
@@ -141,14 +143,14 @@ def settings(cfg: DictConfig) -> Settings:
     delta = _unit(pr.delta, "privacy.delta", closed_low=False)
     return Settings(ds.archive, valid_fraction, posts, eval_posts, L, kind, size, share, max_pieces, d, layers, heads,
                     m.tied, dropout, engine, C, batch_size, epochs, lr, warmup, weight_decay, accountant, eval_batch,
-                    threads, checkpoint, eps, delta, validation.seed(cfg.seed))
+                    validate_every, threads, checkpoint, eps, delta, validation.seed(cfg.seed))
 
 
 def validate(cfg: DictConfig) -> Settings:
     """The settings of a language-model cell, every refusal before any folder or run: the values
     (``settings``), then the archive (read and split here, cached for the cell) and the counts it
     allows."""
-    from pipeline.lm import data
+    from pipeline.lm import data, streams
 
     s = settings(cfg)
     path = data.resolve(s.archive)
@@ -156,11 +158,18 @@ def validate(cfg: DictConfig) -> Settings:
         raise ConfigError(f"dataset.archive = {s.archive!r}: {why}")
     try:  # read here (once per process), so that a damaged archive is refused before any folder
         corpus = data.read_cached(str(path))
-        train = len(data.split(corpus, valid_fraction=s.valid_fraction, seed=s.seed).train)
+        posts = data.split(corpus, valid_fraction=s.valid_fraction, seed=streams.seed_of(s.seed, "split")).train
     except data.DataError as err:
         raise ConfigError(str(err)) from None
+    train = len(posts)
     if s.posts is not None and s.posts > train:
         raise ConfigError(f"dataset.posts = {s.posts} is more than the {train} training posts of {s.archive!r}")
     if s.batch_size > (s.posts or train):
         raise ConfigError(f"train.batch_size = {s.batch_size} is more than the {s.posts or train} training posts")
+    private = s.vocab_kind == "private"
+    most = vocab.reachable(posts[: s.posts] if s.posts else posts, s.vocab_size, s.max_pieces if private else None)
+    if most is not None:
+        raise ConfigError(f"vocab.size = {s.vocab_size} is more than BPE can make from the {s.posts or train} training "
+                          f"posts' {'contributed ' if private else ''}pieces (at most {most} tokens): use a smaller "
+                          "vocab.size or more dataset.posts")
     return s

@@ -23,6 +23,7 @@ seeded permutation (``split``); the test split is the test set.
 from __future__ import annotations
 
 import functools
+import os
 import re
 import tarfile
 from dataclasses import dataclass
@@ -114,9 +115,15 @@ def read(path: str | Path, *, key: str = "dataset.archive", cleaned: bool = True
     return out
 
 
-@functools.lru_cache(maxsize=2)
 def read_cached(path: str) -> dict[str, list[str]]:
-    """``read`` once per process and path (a sweep's validation reads the archive once for all cells)."""
+    """``read`` once per process and archive (a sweep's validation reads it once for all cells); an
+    archive replaced in place (another size or time) is read again."""
+    st = os.stat(path)
+    return _read_once(path, st.st_size, st.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=2)
+def _read_once(path: str, size: int, mtime_ns: int) -> dict[str, list[str]]:
     return read(path)
 
 

@@ -66,7 +66,8 @@ def _logits_and_losses(model, rows: torch.Tensor) -> tuple[torch.Tensor, torch.T
     inputs = rows[:, :-1].contiguous()
     positions = torch.arange(T - 1, device=rows.device).repeat(n, 1)
     logits = _wide(model(input_ids=inputs, position_ids=positions).logits)
-    return logits, F.cross_entropy(logits.transpose(1, 2), rows[:, 1:], reduction="none")
+    flat = F.cross_entropy(logits.reshape(n * (T - 1), -1), rows[:, 1:].reshape(-1), reduction="none")
+    return logits, flat.view(n, T - 1)  # (n L, V) rows: twice as fast on a CPU as the (n, V, L) transposed view
 
 
 def token_losses(model, rows: torch.Tensor) -> torch.Tensor:

@@ -30,8 +30,34 @@ class Prepared:
     released: int  # pieces the private selection released (0 for a public vocabulary)
 
 
+_MEMO: dict[tuple, Prepared] = {}
+MEMO_SIZE = 8  # prepared inputs kept per process: a sweep's worker meets each seed's data many times
+
+
+def _key(s, seed: int) -> tuple:
+    """What ``prepare`` reads: the archive (by path, size and time), the split, the counts, the
+    vocabulary's settings (its budget only where it is private) and the seed."""
+    path = data.resolve(s.archive)
+    st = path.stat()
+    budget = (s.vocab_share * s.eps, s.vocab_share * s.delta, s.max_pieces) if s.vocab_kind == "private" else ()
+    return (str(path), st.st_size, st.st_mtime_ns, s.valid_fraction, s.posts, s.eval_posts, s.L, s.vocab_kind,
+            s.vocab_size, budget, seed)
+
+
 def prepare(s, seed: int) -> Prepared:
-    """The posts, vocabulary and tensors of a cell with settings ``s`` (``config.Settings``)."""
+    """The posts, vocabulary and tensors of a cell with settings ``s`` (``config.Settings``), made
+    once per process for each distinct input (``_key``: the cells of a sweep that share a seed and
+    data settings, tied and untied, every eps of a public vocabulary and every learning rate, share
+    one; nothing downstream writes into them)."""
+    key = _key(s, seed)
+    if key not in _MEMO:
+        if len(_MEMO) >= MEMO_SIZE:
+            _MEMO.pop(next(iter(_MEMO)))
+        _MEMO[key] = _prepare(s, seed)
+    return _MEMO[key]
+
+
+def _prepare(s, seed: int) -> Prepared:
     posts = data.split(data.read_cached(str(data.resolve(s.archive))), valid_fraction=s.valid_fraction,
                        seed=streams.seed_of(seed, "split"))
     train = posts.train[: s.posts] if s.posts else posts.train

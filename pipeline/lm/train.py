@@ -96,7 +96,7 @@ def add_noise(model, sigma: float, C: float, generator: torch.Generator) -> None
 def run(model, rows: torch.Tensor, mask: torch.Tensor, run_plan: Plan, *, engine: str, C: float, lr: float,
         warmup: float, weight_decay: float, seed: int, validate: Callable | None = None,
         on_epoch: Callable[[int, dict], None] | None = None, canaries=None, checkpoint: Path | None = None,
-        resume: bool = False, key: dict | None = None) -> History:
+        resume: bool = False, key: dict | None = None, validate_every: int = 1) -> History:
     """Train ``model`` in place on the (n, L + 1) ``rows`` and their target ``mask``. With
     ``canaries`` (``pipeline.canaries.DiracCanaries``, the whole-run audit), the sampled included
     canaries join every step's clipped sum before the noise, and the noisy sum is observed. The
@@ -105,7 +105,8 @@ def run(model, rows: torch.Tensor, mask: torch.Tensor, run_plan: Plan, *, engine
     (model, optimizer, schedule, both generators, torch's global generator, the history, the
     accountant's steps so far) is saved there at the end of every epoch (``pipeline.checkpoints``);
     with ``resume``, a checkpoint there whose ``key`` matches is continued from, and the run ends
-    with the numbers of an uninterrupted one."""
+    with the numbers of an uninterrupted one. ``validate`` runs after every ``validate_every``-th
+    epoch and after the last."""
     if canaries is not None and checkpoint is not None:
         raise ValueError("a canary audit is not checkpointed: its canaries' sums live in memory only")
     if canaries is not None and engine == "none":
@@ -132,8 +133,9 @@ def run(model, rows: torch.Tensor, mask: torch.Tensor, run_plan: Plan, *, engine
         first = int(state["epoch"]) + 1
         log.info("resume: %s holds epoch %d of %d; continuing from epoch %d", checkpoint, first - 1, epochs, first)
         if on_epoch is not None:  # the restored epochs' metrics, for this run's record
+            seen_valid = {int(v["epoch"]): v for v in history.valid}
             for e, loss in enumerate(history.loss, start=1):
-                valid = history.valid[e - 1] if len(history.valid) >= e else {}
+                valid = seen_valid.get(e, {})
                 on_epoch(e, {"loss": loss, **{f"valid_{k}": v for k, v in valid.items() if k != "epoch"}})
     for epoch in range(first, epochs + 1):
         loss_sum, norm_sum, seen = 0.0, 0.0, 0
@@ -168,7 +170,7 @@ def run(model, rows: torch.Tensor, mask: torch.Tensor, run_plan: Plan, *, engine
         history.loss.append(loss_sum / max(seen, 1))
         history.mean_norm.append(norm_sum / max(seen, 1) if clip.private else math.nan)
         metrics = {"loss": history.loss[-1]}
-        if validate is not None:
+        if validate is not None and (epoch % validate_every == 0 or epoch == epochs):
             found = validate(model)
             history.valid.append({"epoch": epoch, **found})
             metrics |= {f"valid_{k}": v for k, v in found.items()}
