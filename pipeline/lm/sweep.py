@@ -237,7 +237,11 @@ def summarise(config: DictConfig, sweep_id: str, sweep_dir: Path, cells: sweep.C
 
     metrics = {f"{key(r.setting)}{r.model}.eps_{eps_label(r.eps)}.test_perplexity": r.perplexity_mean
                for r in long.itertuples()}
-    metrics |= {f"{key(r.setting)}tying_gain.eps_{eps_label(r.eps)}": r.gain_mean for r in paired.itertuples()}
+    for r in paired.itertuples():  # the gain, its interval's ends (the verdict is table.md's and gains.csv's)
+        metrics |= {f"{key(r.setting)}tying_gain.eps_{eps_label(r.eps)}{end}": v
+                    for end, v in (("", r.gain_mean), (".ci_low", r.ci_low), (".ci_high", r.ci_high))}
+    metrics |= {f"{key(r.setting)}tying_gain.{r.bucket}.eps_{eps_label(r.eps)}": r.gain_mean
+                for r in buckets.itertuples()}
     print(f"\n{name}: {text}\nreport: {page}", flush=True)
     sweep.parent_run(config, sweep_id, sweep_dir, cells, f"{name} ({len(cells.done)} cells)", list(map(str, artifacts)),
                      {"dataset": config.dataset.name}, {k: v for k, v in metrics.items() if not math.isnan(v)}, text,
