@@ -29,7 +29,8 @@ def curves(frame: pd.DataFrame, path: Path, title: str = "") -> Path:
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(9, 3.2))
     ax1.plot(frame["epoch"], frame["loss"], marker="o")
     ax1.set(xlabel="epoch", ylabel="mean per-post training loss")
-    ax2.plot(frame["epoch"], frame["valid_perplexity"], marker="o", color="C1")
+    validated = frame.dropna(subset=["valid_perplexity"])  # train.validate_every: the epochs validated
+    ax2.plot(validated["epoch"], validated["valid_perplexity"], marker="o", color="C1")
     ax2.set(xlabel="epoch", ylabel="validation perplexity")
     for ax in (ax1, ax2):
         ax.grid(alpha=0.3)

@@ -37,7 +37,7 @@ MEMO_SIZE = 8  # prepared inputs kept per process: a sweep's worker meets each s
 def _key(s, seed: int) -> tuple:
     """What ``prepare`` reads: the archive (by path, size and time), the split, the counts, the
     vocabulary's settings (its budget only where it is private) and the seed."""
-    path = data.resolve(s.archive)
+    path = data.resolve(s.archive).resolve()
     st = path.stat()
     budget = (s.vocab_share * s.eps, s.vocab_share * s.delta, s.max_pieces) if s.vocab_kind == "private" else ()
     return (str(path), st.st_size, st.st_mtime_ns, s.valid_fraction, s.posts, s.eval_posts, s.L, s.vocab_kind,
