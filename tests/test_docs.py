@@ -57,6 +57,9 @@ COPIES = {  # a figure in docs/ -> the DVC output it copies
     "docs/dpformer_curves.png": "artifacts/dpformer_table1/curves.png",
     "docs/dpformer_attention.png": "artifacts/dpformer_table1/attention.png",
     "docs/dpformer_distraction.png": "artifacts/dpformer_distraction/distraction.png",
+    "docs/lm_tying.png": "artifacts/lm_tying/perplexity.png",
+    "docs/lm_buckets.png": "artifacts/lm_tying/buckets.png",
+    "docs/lm_cost.png": "artifacts/lm_cost/cost.png",
 }
 
 
@@ -74,5 +77,5 @@ def test_a_figure_copied_into_docs_is_the_artifact_dvc_lock_records(copy):
     assert COPIES[copy] in recorded, f"{COPIES[copy]} is no output in dvc.lock"
     assert hashlib.md5((ROOT / copy).read_bytes()).hexdigest() == recorded[COPIES[copy]], (
         f"{copy} is not the {COPIES[copy]} that dvc.lock records: copy the artifact after its rebuild")
-    drawn = {p.relative_to(ROOT).as_posix() for p in (ROOT / "docs").glob("dpformer_*.png")}
+    drawn = {p.relative_to(ROOT).as_posix() for pattern in ("dpformer_*.png", "lm_*.png") for p in (ROOT / "docs").glob(pattern)}
     assert drawn <= set(COPIES), f"figures in docs/ with no recorded artifact: {sorted(drawn - set(COPIES))}"

@@ -148,3 +148,45 @@ def test_readme_quotes_figure_3_from_the_stages_rows():
     phrase = (f"costs {span('phantom')} a non-private step on a 2-core CPU at the four steps Figure 3 draws, "
               f"against {span('per_sample')} for per-sample gradients")
     assert phrase in text("README.md"), phrase
+
+
+def pct(v: float) -> str:
+    return f"{100 * v:+.1f}%"
+
+
+LM = "docs/lm.md"
+LM_QUOTED = [  # docs/lm.md's tying gains and intervals, from artifacts/lm_tying/metrics.json
+    *[(f"| {e} | {{}} | ", f"tying_gain.eps_{e}") for e in ("1", "3", "8")],
+    *[(f"[{{}}, ", f"tying_gain.eps_{e}.ci_low") for e in ("1", "3", "8", "inf")],
+    *[(f", {{}}] | ", f"tying_gain.eps_{e}.ci_high") for e in ("1", "3", "8", "inf")],
+    ("| inf (clipped, no noise) | {} | ", "tying_gain.eps_inf"),
+    ("the head (the most frequent tokens, half of the training targets) gains {} [", "tying_gain.head.eps_1"),
+    ("of the targets) {} [", "tying_gain.tail.eps_1"),
+    ("but the head's at eps = 8 ({} [", "tying_gain.head.eps_8"),
+]
+
+
+@pytest.mark.parametrize("phrase, key", LM_QUOTED, ids=[q[1] for q in LM_QUOTED])
+def test_the_language_models_quoted_gains_are_the_committed_metrics(phrase, key):
+    shown = phrase.format(pct(metric("lm_tying", key)))
+    assert shown in text(LM), f"{LM} should quote {shown!r} (lm_tying/{key})"
+
+
+@pytest.mark.parametrize("model, key", [("319.2 against", "untied.eps_inf.test_perplexity"),
+                                        ("against 427.5", "tied.eps_inf.test_perplexity"),
+                                        ("(test perplexity 609.8)", "unigram.eps_1.test_perplexity")])
+def test_the_language_models_quoted_perplexities_are_the_committed_metrics(model, key):
+    assert f"{metric('lm_tying', key):.1f}" in model and model in text(LM), (model, key)
+
+
+def test_the_cost_table_is_the_committed_benchmark():
+    """docs/lm.md's cost table: each engine's time and memory ratios at each V, from cost.json."""
+    rows = json.loads((ROOT / "artifacts/lm_cost/cost.json").read_text())
+    ratio = {(r["V"], r["cell"]): (r["time_ratio"], r["memory_ratio"]) for r in rows}
+    order = ("phantom:tied", "per_sample:tied", "phantom:untied", "ghost:untied")
+    for V in (8000, 32000, 50000):
+        cells = [ratio[(V, c)] for c in order]
+        shown = [f"{t:.2f}x, {m:.2f}x" for t, m in cells]
+        if V == 8000:  # the first row names the two ratios
+            shown[0] = f"{cells[0][0]:.2f}x time, {cells[0][1]:.2f}x memory"
+        assert f"| {V:,} | {' | '.join(shown)} |" in text(LM), V
