@@ -155,11 +155,21 @@ def pct(v: float) -> str:
 
 
 LM = "docs/lm.md"
-LM_QUOTED = [  # docs/lm.md's tying gains and intervals, from artifacts/lm_tying/metrics.json
+README_LM = [  # README's tying gains and intervals (results at a glance), from artifacts/lm_tying/metrics.json
     *[(f"| {e} | {{}} | ", f"tying_gain.eps_{e}") for e in ("1", "3", "8")],
     *[(f"[{{}}, ", f"tying_gain.eps_{e}.ci_low") for e in ("1", "3", "8", "inf")],
     *[(f", {{}}] | ", f"tying_gain.eps_{e}.ci_high") for e in ("1", "3", "8", "inf")],
     ("| inf (clipped, no noise) | {} | ", "tying_gain.eps_inf"),
+]
+
+
+@pytest.mark.parametrize("phrase, key", README_LM, ids=[q[1] for q in README_LM])
+def test_readmes_tying_verdict_quotes_the_committed_metrics(phrase, key):
+    shown = phrase.format(pct(metric("lm_tying", key)))
+    assert shown in text("README.md"), f"README.md should quote {shown!r} (lm_tying/{key})"
+
+
+LM_QUOTED = [  # docs/lm.md's per-bucket gains, from artifacts/lm_tying/metrics.json
     ("the head (the most frequent tokens, half of the training targets) gains {} [", "tying_gain.head.eps_1"),
     ("of the targets) {} [", "tying_gain.tail.eps_1"),
     ("but the head's at eps = 8 ({} [", "tying_gain.head.eps_8"),
