@@ -77,3 +77,36 @@ def communicate_or_kill(proc: subprocess.Popen, timeout: float) -> tuple[str, st
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
+
+
+def killed_and_relaunched(tmp_path, overrides: list[str], checkpoint: str, epoch_of, epochs: int) -> None:
+    """A single run through the CLI killed with SIGKILL once its first checkpoint exists, the same
+    command again into its folder, and an uninterrupted run beside it: the relaunch says where it
+    continues from, ends with the uninterrupted run's ``results.csv`` and ``history.csv`` bit for
+    bit, and neither run leaves its checkpoint (``epoch_of(path)``: the epoch a checkpoint holds)."""
+    import time
+
+    import pandas as pd
+
+    common = [sys.executable, "-m", "pipeline", *overrides, "compute.device=cpu",
+              f"mlflow.tracking_uri=sqlite:///{tmp_path / 'mlflow.db'}"]
+    folder = tmp_path / "run"
+    proc = subprocess.Popen([*common, f"hydra.run.dir={folder}"], cwd=ROOT, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    deadline = time.time() + 300
+    while not (folder / checkpoint).exists() and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert not (folder / "results.csv").exists(), "the run finished before it could be killed"
+    stopped_at = epoch_of(folder / checkpoint)
+    assert 1 <= stopped_at < epochs
+    again = subprocess.run([*common, f"hydra.run.dir={folder}"], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert f"continuing from epoch {stopped_at + 1}" in again.stdout + again.stderr
+    whole = subprocess.run([*common, f"hydra.run.dir={tmp_path / 'whole'}"], cwd=ROOT, capture_output=True, text=True,
+                           timeout=600)
+    assert whole.returncode == 0, whole.stderr[-2000:]
+    assert pd.read_csv(folder / "results.csv").equals(pd.read_csv(tmp_path / "whole" / "results.csv"))
+    assert pd.read_csv(folder / "history.csv").equals(pd.read_csv(tmp_path / "whole" / "history.csv"))
+    assert not (folder / checkpoint).exists() and not (tmp_path / "whole" / checkpoint).exists()

@@ -240,37 +240,12 @@ def test_bad_input_is_one_error_line_before_any_folder(run_cli, override, messag
 def test_a_killed_lm_cell_relaunched_into_its_folder_continues(tmp_path):
     """Through the CLI: SIGKILL after the first epoch's checkpoint, the same command again, and the
     results of an uninterrupted run, bit for bit; the checkpoint is gone once the run FINISHED."""
-    import signal
-    import subprocess
-    import sys
-    import time
-    from pathlib import Path
+    from conftest import killed_and_relaunched
 
     from pipeline import checkpoints
 
-    root = Path(__file__).resolve().parents[1]
-    common = [sys.executable, "-m", "pipeline", "experiment=lm_ci", "train.epochs=6", "compute.device=cpu",
-              f"mlflow.tracking_uri=sqlite:///{tmp_path / 'mlflow.db'}"]
-    folder = tmp_path / "run"
-    proc = subprocess.Popen([*common, f"hydra.run.dir={folder}"], cwd=root, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
-    deadline = time.time() + 300
-    while not (folder / checkpoints.NAME).exists() and proc.poll() is None and time.time() < deadline:
-        time.sleep(0.02)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
-    assert not (folder / "results.csv").exists(), "the run finished before it could be killed"
-    stopped_at = torch.load(io.BytesIO(checkpoints.read(folder / checkpoints.NAME)), weights_only=True)["epoch"]
-    assert 1 <= stopped_at < 6
-    again = subprocess.run([*common, f"hydra.run.dir={folder}"], cwd=root, capture_output=True, text=True, timeout=600)
-    assert again.returncode == 0, again.stderr[-2000:]
-    assert f"continuing from epoch {stopped_at + 1}" in again.stdout + again.stderr
-    whole = subprocess.run([*common, f"hydra.run.dir={tmp_path / 'whole'}"], cwd=root, capture_output=True, text=True,
-                           timeout=600)
-    assert whole.returncode == 0, whole.stderr[-2000:]
-    assert pd.read_csv(folder / "results.csv").equals(pd.read_csv(tmp_path / "whole" / "results.csv"))
-    assert pd.read_csv(folder / "history.csv").equals(pd.read_csv(tmp_path / "whole" / "history.csv"))
-    assert not (folder / checkpoints.NAME).exists() and not (tmp_path / "whole" / checkpoints.NAME).exists()
+    killed_and_relaunched(tmp_path, ["experiment=lm_ci", "train.epochs=6"], checkpoints.NAME, epochs=6,
+                          epoch_of=lambda path: torch.load(io.BytesIO(checkpoints.read(path)), weights_only=True)["epoch"])
 
 
 def test_streams_are_distinct_per_use_and_seed_and_replay():

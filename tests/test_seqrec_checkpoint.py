@@ -7,16 +7,14 @@ import dataclasses
 import errno
 import io
 import os
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
-import pandas as pd
 import pytest
 import torch
 
+from conftest import killed_and_relaunched
 from pipeline.seqrec import checkpoint, data, evaluate, train
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -156,28 +154,8 @@ def test_a_checkpoint_of_other_data_or_with_a_changed_byte_is_not_resumed(cfg_fo
 def test_a_killed_cell_relaunched_into_its_folder_continues(tmp_path):
     """Through the CLI: SIGKILL after the first epoch's checkpoint, the same command again, and the
     results of an uninterrupted run; the checkpoint is gone once the run FINISHED."""
-    common = [sys.executable, "-m", "pipeline", "experiment=dpformer_ci", "seqrec.epochs=12", "compute.device=cpu",
-              f"mlflow.tracking_uri=sqlite:///{tmp_path / 'mlflow.db'}"]
-    folder = tmp_path / "run"
-    proc = subprocess.Popen([*common, f"hydra.run.dir={folder}"], cwd=ROOT, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
-    deadline = time.time() + 300
-    while not (folder / checkpoint.NAME).exists() and proc.poll() is None and time.time() < deadline:
-        time.sleep(0.02)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
-    assert not (folder / "results.csv").exists(), "the run finished before it could be killed"
-    stopped_at = _saved(folder / checkpoint.NAME)["epoch"]
-    assert 1 <= stopped_at < 12
-    again = subprocess.run([*common, f"hydra.run.dir={folder}"], cwd=ROOT, capture_output=True, text=True, timeout=600)
-    assert again.returncode == 0, again.stderr[-2000:]
-    assert f"continuing from epoch {stopped_at + 1}" in again.stdout + again.stderr
-    whole = subprocess.run([*common, f"hydra.run.dir={tmp_path / 'whole'}"], cwd=ROOT, capture_output=True, text=True,
-                           timeout=600)
-    assert whole.returncode == 0, whole.stderr[-2000:]
-    assert pd.read_csv(folder / "results.csv").equals(pd.read_csv(tmp_path / "whole" / "results.csv"))
-    assert pd.read_csv(folder / "history.csv").equals(pd.read_csv(tmp_path / "whole" / "history.csv"))
-    assert not (folder / checkpoint.NAME).exists() and not (tmp_path / "whole" / checkpoint.NAME).exists()
+    killed_and_relaunched(tmp_path, ["experiment=dpformer_ci", "seqrec.epochs=12"], checkpoint.NAME, epochs=12,
+                          epoch_of=lambda path: _saved(path)["epoch"])
 
 
 @pytest.mark.slow
