@@ -10,7 +10,9 @@ eps, the audit's power, the verdict) are ``pipeline/auditing.py``.
 
 from __future__ import annotations
 
+import logging
 import sys
+from pathlib import Path
 
 import hydra
 from omegaconf import DictConfig
@@ -19,10 +21,56 @@ from pipeline import tasks
 from pipeline.validation import ConfigError
 
 
+SCOPES = (None, "run")
+
+
+def scope(cfg: DictConfig, task) -> str | None:
+    """``audit.scope``: null, the task's own audit; ``run``, a whole DP-SGD training audited in one
+    run, which a task offers by declaring ``audit_scope = "run"`` (refused by name where it has none)."""
+    wanted = (cfg.get("audit") or {}).get("scope")
+    if wanted not in SCOPES:
+        raise ConfigError(f"audit.scope = {wanted!r} is unknown; known: null (the task's own audit), 'run' "
+                          "(a whole DP-SGD training in one run)")
+    if wanted == "run" and getattr(task, "audit_scope", None) != "run":
+        raise ConfigError(f"audit.scope = 'run': task {task.name} has no whole-run audit yet (DPFormer's is issue 39); "
+                          "its own audit runs without audit.scope, and experiment=lm_ci audits the language model's "
+                          "whole training in one run")
+    return wanted
+
+
 def run(cfg: DictConfig):
     """The audit of ``cfg``'s task: one row per audited mechanism (its device checked by the
     preflight callback, ``Task.audit_devices``, before Hydra made the folder)."""
-    return tasks.get(cfg).audit(cfg)
+    task = tasks.get(cfg)
+    scope(cfg, task)
+    return task.audit(cfg)
+
+
+def _forget_folder() -> None:
+    """Remove the folder Hydra made for this refused audit, if it holds nothing but Hydra's own
+    files (``.hydra/`` and the job's log): a refusal leaves no folder. The audit's own keys are
+    checked by its task's audit once Hydra has made it (the preflight callback checks the rest)."""
+    import shutil
+
+    from hydra.core.hydra_config import HydraConfig
+
+    try:
+        hc = HydraConfig.get()
+    except ValueError:  # called outside Hydra (tests)
+        return
+    folder = Path(hc.runtime.output_dir)
+    own = {".hydra", f"{hc.job.name}.log"}
+    if folder.is_dir() and {p.name for p in folder.iterdir()} <= own:
+        logging.shutdown()
+        shutil.rmtree(folder, ignore_errors=True)
+        cwd = Path.cwd().resolve()
+        for parent in folder.resolve().parents:  # the parents it made (outputs/audit/), up to the working folder
+            if parent == cwd or cwd not in parent.parents:
+                break
+            try:
+                parent.rmdir()  # only if empty
+            except OSError:
+                break
 
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="audit")
@@ -31,6 +79,7 @@ def main(cfg: DictConfig) -> None:
         run(cfg)
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
+        _forget_folder()
         sys.exit(2)
 
 

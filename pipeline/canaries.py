@@ -65,6 +65,18 @@ class DiracCanaries:
         for w, (ix, js) in self._by_param.items():
             self._sums[js] += self.params[w].grad.detach().view(-1)[ix.to(self.params[w].grad.device)].double().cpu().numpy()
 
+    def state(self) -> dict:
+        """What a checkpoint keeps (``load_state`` restores it): the sums so far, the sampling
+        counts and the canaries' generator; not the inclusion bits, which the seed redraws."""
+        return {"sums": torch.from_numpy(self._sums.copy()), "sampled": torch.from_numpy(self.sampled.copy()),
+                "generator": self._gen.get_state()}  # tensors: a checkpoint is read with weights_only
+
+    def load_state(self, state: dict) -> None:
+        if tuple(state["sums"].shape) != self._sums.shape:
+            raise ValueError(f"a checkpoint of {state['sums'].numel()} canaries cannot resume an audit of {self.m}")
+        self._sums, self.sampled = state["sums"].numpy().copy(), state["sampled"].numpy().copy()
+        self._gen.set_state(state["generator"])
+
     def scores(self) -> np.ndarray:
         """Each canary's score in units of C (the sum of its noisy coordinates / C)."""
         return self._sums / self.C

@@ -200,8 +200,9 @@ def test_a_stopped_run_resumes_to_the_uninterrupted_numbers_and_another_key_star
     other = _tiny(True)
     again = train.run(other, rows, mask, pl, **kw, checkpoint=path, resume=True, key={"config": "b"})
     assert again.loss == expected.loss  # started over (and ended where an uninterrupted run ends)
-    with pytest.raises(ValueError, match="not checkpointed"):
-        train.run(_tiny(True), rows, mask, pl, **kw, checkpoint=path, canaries=object())
+    with pytest.raises(ValueError, match="holds no canaries' state"):  # a checkpoint of a run without canaries
+        train.run(_tiny(True), rows, mask, pl, **kw, checkpoint=path, resume=True, key={"config": "b"},
+                  canaries=object())
 
 
 def test_validation_runs_every_kth_epoch_and_after_the_last_and_survives_a_resume(tmp_path):

@@ -74,3 +74,170 @@ def test_a_dp_sgd_run_is_audited_its_controls_raise_the_bound_and_no_noise_is_ca
     assert bare["verdict"] == "violation" and bare["eps_lower"] > 1.0
     # at this size a 2x violation of eps = 1 cannot be shown: said, not hidden
     assert engine["power"] < 1.0 and halved["verdict"].startswith("too weak to say")
+
+
+def test_an_audited_run_killed_and_resumed_scores_its_canaries_as_an_uninterrupted_one(tmp_path):
+    """The canaries' sums and generator are checkpointed with the run: a run stopped after an epoch
+    and resumed (fresh model, fresh canaries, as a new process would) ends with the same scores, bit
+    for bit; the resume control, whose checkpoint replays the noise, ends elsewhere."""
+    from pipeline import checkpoints
+    from pipeline.lm import streams, train
+
+    build, rows, mask = _setup()
+    pl = train.plan(n_posts=100, batch_size=10, epochs=4, eps=1.0, delta=1e-5, private=True, vocab_share=0.0)
+    kw = dict(engine="phantom", C=1.0, lr=1e-2, warmup=0.1, weight_decay=0.0, seed=3)
+
+    def canaries(model):
+        return DiracCanaries(list(model.parameters()), m=50, C=1.0, sample_rate=pl.sample_rate, seed=3)
+
+    model = build()
+    whole = canaries(model)
+    train.run(model, rows, mask, pl, canaries=whole, **kw)
+
+    class Stop(Exception):
+        pass
+
+    def stop(epoch, metrics):
+        if epoch == 2:
+            raise Stop
+
+    path, key = tmp_path / "ckpt.pt", {"k": 1}
+    model = build()
+    with pytest.raises(Stop):
+        train.run(model, rows, mask, pl, canaries=canaries(model), checkpoint=path, key=key, on_epoch=stop, **kw)
+    state = checkpoints.load(path, key)  # epoch 2's
+    model = build()
+    resumed = canaries(model)
+    train.run(model, rows, mask, pl, canaries=resumed, checkpoint=path, key=key, resume=True, **kw)
+    assert np.array_equal(resumed.scores(), whole.scores()) and np.array_equal(resumed.sampled, whole.sampled)
+    assert np.array_equal(resumed.reveal(), whole.reveal())
+
+    # the control's defect, by hand: epoch 2's checkpoint with the noise generator's first state
+    state["noise"] = torch.Generator().manual_seed(streams.seed_of(3, "noise")).get_state()
+    checkpoints.save(path, state)
+    model = build()
+    replayed = canaries(model)
+    train.run(model, rows, mask, pl, canaries=replayed, checkpoint=path, key=key, resume=True, **kw)
+    assert np.array_equal(replayed.sampled, whole.sampled) and not np.allclose(replayed.scores(), whole.scores())
+    with pytest.raises(ValueError, match="cannot resume an audit of 60"):
+        DiracCanaries(list(build().parameters()), m=60, C=1.0, sample_rate=0.1, seed=3).load_state(whole.state())
+
+
+def test_an_excluded_input_canary_has_no_gradient_and_the_bits_do_not_move_the_sampling_rate():
+    """An input canary left out keeps its row with an empty target mask: its loss and clipped
+    gradient are exactly 0 (the clipped sum is the one without it); the data set's size, and with it
+    q, is the same whatever the bits."""
+    from pipeline.lm import engines
+
+    build, rows, mask = _setup()
+    posts, included = audit.input_canaries(20, L=7, V=40, eos_id=EOS, seed=0)
+    assert posts.shape == (20, 8) and not (posts == EOS).any() and 0 < included.sum() < 20
+    again, bits = audit.input_canaries(20, L=7, V=40, eos_id=EOS, seed=0)
+    assert torch.equal(again, posts) and np.array_equal(bits, included)
+    model = build()
+    empty = torch.zeros(3, 7, dtype=torch.bool)
+    losses, norms = engines.make("phantom", model, 1.0).step((posts[:3], empty))
+    assert torch.equal(losses, torch.zeros(3)) and torch.equal(norms, torch.zeros(3))
+    assert all(torch.count_nonzero(p.grad) == 0 for p in model.parameters())
+
+
+@pytest.mark.slow
+def test_the_controls_the_sum_statistic_cannot_see_are_said_and_an_input_audit_is_weak():
+    """Three audits of one small run: the resume that replays noise is not caught by the sum
+    statistic (its variance grows), input canaries give a bound no larger than Dirac ones'
+    ceiling, and every row carries its ceiling, power and verdict."""
+    build, rows, mask = _setup()
+    kw = dict(eps=1.0, delta=1e-5, batch_size=10, epochs=4, C=1.0, lr=1e-2, m=200, seed=0)
+    engine = audit.run(build, rows, mask, variant="engine", **kw)
+    replay = audit.run(build, rows, mask, variant="resume_reuses_noise", **kw)
+    inputs = audit.run(build, rows, mask, variant="no_noise", canaries="input", V=40, eos_id=EOS, **kw)
+    assert replay["verdict"] != "violation" and replay["mu_used"] == engine["mu_used"]
+    for row in (engine, replay, inputs):
+        assert 0 <= row["eps_lower"] <= row["eps_ceiling"] and row["m"] == 200 and row["verdict"]
+    assert inputs["canaries"] == "input" and 0 < inputs["included"] < 200
+    with pytest.raises(ValueError, match="unknown canaries"):
+        audit.run(build, rows, mask, variant="engine", canaries="text", **kw)
+
+
+def test_each_audit_is_an_mlflow_run_with_its_figure_and_scores(tmp_path, monkeypatch):
+    import mlflow
+    import pandas as pd
+
+    from pipeline import run_audit
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
+    mlflow.set_tracking_uri(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    mlflow.set_experiment("audit-test")
+    rng = np.random.default_rng(0)
+    included = rng.random(300) < 0.5
+    scores = rng.normal(size=300) + 3.0 * included  # a strong canary
+    from pipeline.lm import train
+
+    claimed = train.plan(n_posts=100, batch_size=10, epochs=5, eps=1.0, delta=1e-5, private=True, vocab_share=0.0)
+    row = run_audit.score(scores, included, variant="engine", canaries="dirac", claimed=claimed, used=claimed,
+                          eps=1.0, delta=1e-5)
+    assert row["verdict"] == "violation" and row["eps_lower"] > 1.0  # scores of mu = 3 break eps = 1
+    run_audit.record(row, scores, included, task="lm", out=tmp_path / "out", params={"model": "tiny"})
+    runs = mlflow.search_runs(experiment_names=["audit-test"])
+    assert len(runs) == 1 and runs["tags.kind"][0] == "audit" and runs["tags.scope"][0] == "run"
+    assert runs["tags.verdict"][0] == "violation" and runs["metrics.audit.eps_lower"][0] == pytest.approx(row["eps_lower"])
+    assert runs["status"][0] == "FINISHED"
+    got = {a.path for a in mlflow.MlflowClient().list_artifacts(runs["run_id"][0])}
+    assert got == {"audit_run_engine-dirac.png", "audit_run_engine-dirac_scores.csv"}
+    back = pd.read_csv(tmp_path / "out" / "audit_run_engine-dirac_scores.csv")
+    assert np.array_equal(back["included"].to_numpy(), included)
+
+
+def test_the_scope_run_is_offered_by_the_task_that_has_it_and_refused_by_the_others():
+    from omegaconf import OmegaConf
+
+    from pipeline import audit as entry
+    from pipeline import tasks
+    from pipeline.validation import ConfigError
+
+    def cfg(task, scope):
+        return OmegaConf.create({"task": task, "audit": {"scope": scope}})
+
+    for task in ("noisyhead", "seqrec", "lm"):
+        assert entry.scope(cfg(task, None), tasks.get(cfg(task, None))) is None
+    assert entry.scope(cfg("lm", "run"), tasks.get(cfg("lm", "run"))) == "run"
+    for task in ("noisyhead", "seqrec"):
+        with pytest.raises(ConfigError, match=f"task {task} has no whole-run audit yet"):
+            entry.scope(cfg(task, "run"), tasks.get(cfg(task, "run")))
+    with pytest.raises(ConfigError, match="audit.scope = 'step' is unknown"):
+        entry.scope(cfg("lm", "step"), tasks.get(cfg("lm", "step")))
+
+
+def _audit_cli(tmp_path, *args, folder: str = "out/audit"):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    cmd = [sys.executable, "-m", "pipeline.audit", f"mlflow.tracking_uri=sqlite:///{tmp_path / 'mlflow.db'}",
+           f"hydra.run.dir={tmp_path / folder}", *args]
+    return subprocess.run(cmd, cwd=root, capture_output=True, text=True, timeout=600)
+
+
+@pytest.mark.slow
+def test_the_cli_audits_the_language_models_run_as_mlflow_runs_and_refuses_before_any_folder(tmp_path):
+    import mlflow
+    import pandas as pd
+
+    proc = _audit_cli(tmp_path, "experiment=lm_ci", "audit.scope=run", "audit.lm.m=300",
+                      "audit.lm.variants=[engine,no_noise]")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    table = pd.read_csv(tmp_path / "out" / "audit" / "audit.csv")
+    assert list(table["variant"]) == ["engine", "no_noise"] and set(table["m"]) == {300}
+    assert table["verdict"][0] != "violation" and table["eps_lower"][1] > table["eps_lower"][0]
+    mlflow.set_tracking_uri(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    runs = mlflow.search_runs(search_all_experiments=True, filter_string="tags.kind = 'audit'")
+    assert sorted(runs["tags.variant"]) == ["engine", "no_noise"] and set(runs["tags.scope"]) == {"run"}
+    assert set(runs["status"]) == {"FINISHED"} and set(runs["tags.verdict"]) == set(table["verdict"])
+    for override, key in (("audit.scope=all", "audit.scope"), ("audit.lm.canaries=text", "audit.lm.canaries"),
+                          ("audit.lm.variants=[half]", "audit.lm.variants"), ("audit.lm.m=0", "audit.lm.m")):
+        bad = tmp_path / override.replace("=", "_").replace("[", "").replace("]", "")
+        bad.mkdir()
+        proc = _audit_cli(bad, "experiment=lm_ci", override, folder="audit")
+        assert proc.returncode == 2 and proc.stderr.count("error:") == 1 and key in proc.stderr, proc.stderr[-2000:]
+        assert list(bad.iterdir()) == [], override  # no folder, no store

@@ -1,117 +1,152 @@
-"""The whole-run audit of the language model's DP-SGD (issue 39's ``audit.scope=run``, on this
-task's training loop): one real training run with m white-box Dirac canaries
-(``pipeline.canaries``), scored after training and bounded with the one-run bounds
-(``pipeline.auditing.one_run_bound``), against the eps the accountant claims for the run.
+"""The whole-run audit of the language model's DP-SGD (``python -m pipeline.audit experiment=lm_*``,
+``audit.scope=run``): one real training run of this task's loop (``train.run``: its Poisson
+sampling, accountant plan, schedule, optimizer and checkpointing) with m canaries, scored after
+training and bounded against the eps the accountant claims for DP-SGD's share of the budget. The
+variants, the scoring, the power and the record are shared (``pipeline/run_audit.py``); this
+module supplies the training and the canaries:
 
-Variants (each its own training run; the controls are runs whose actual noise or sampling differs
-from what the accountant was told, which the audit must flag where its power allows):
+- ``dirac``: white-box canaries (``pipeline.canaries.DiracCanaries``), each a parameter
+  coordinate, scored by its coordinate of the sum of the noisy sums;
+- ``input``: m canary posts of L + 1 tokens drawn uniformly from the vocabulary (unique content),
+  each included in the training set with probability 1/2, scored by minus its loss under the
+  final model. All m rows are in the training tensor; an excluded one has no target (its mask is
+  empty), so its loss and gradient are exactly 0 and the clipped sum is the one without it, while
+  the data set's size, and with it q = B / n, does not depend on the bits.
 
-- ``engine``: the run as planned (``train.plan``);
-- ``noise_halved``: noise std sigma C / 2;
-- ``sampling_doubled``: posts (and canaries) sampled at 2 q while the accountant assumed q;
-- ``accountant_tenth``: the noise multiplier the accountant gives for a tenth of the steps, all
-  the steps taken;
-- ``no_noise``: no noise at all (the strongest violation).
+``resume_reuses_noise`` stops the run after half its epochs (a checkpoint written, as a killed run
+leaves it), puts the noise generator's first state into the checkpoint (the defect: a resume that
+restores everything but replays the noise) and resumes into a fresh model and fresh canaries.
 
-Each run reports the binomial lower bound on eps (Steinke et al.; a bound above the claim is a
-violation) and, apart, the largest Gaussian-trade-off claim the f-DP test rejects
-(``gaussian_claim_rejected``: not a bound on eps, since subsampled DP-SGD's trade-off is not
-Gaussian). The power is the binomial bound the same statistic would reach, at expected counts,
-against this run calibrated to ``power_factor`` times the claim (``sum_score_mu``).
-
-What the run releases besides the noisy sums (the per-epoch training loss and mean gradient
-norm that ``train.run`` hands to ``on_epoch``) is not private, as in DPFormer's runs: diagnostics
-for the person training, never part of a released model or of a figure quoted as private.
+What the run releases besides its noisy sums (the per-epoch training loss and mean gradient norm)
+is not private, as in DPFormer's runs: diagnostics, never a released model or a figure quoted as
+private.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import math
+import tempfile
+from pathlib import Path
 from typing import Callable
 
+import numpy as np
 import torch
 
-from pipeline import auditing
+from pipeline import run_audit
 from pipeline.canaries import DiracCanaries
-from pipeline.lm import train
+from pipeline.lm import examples, streams, train
 
-VARIANTS = ("engine", "noise_halved", "sampling_doubled", "accountant_tenth", "no_noise")
-
-
-def actual_plan(claimed: train.Plan, variant: str, *, eps: float, delta: float, accountant: str) -> train.Plan:
-    """What the training does under ``variant``, while the claim stays ``claimed``'s."""
-    from pipeline import privacy
-
-    if variant == "engine":
-        return claimed
-    if variant == "noise_halved":
-        return dataclasses.replace(claimed, sigma=claimed.sigma / 2)
-    if variant == "sampling_doubled":
-        return dataclasses.replace(claimed, sample_rate=min(1.0, 2 * claimed.sample_rate))
-    if variant == "accountant_tenth":
-        told = max(1, claimed.steps // 10)
-        return dataclasses.replace(claimed, sigma=privacy.dpsgd_noise_multiplier(
-            eps=eps, delta=delta, sample_rate=claimed.sample_rate, steps=told, accountant=accountant))
-    if variant == "no_noise":
-        return dataclasses.replace(claimed, sigma=0.0)
-    raise ValueError(f"unknown audit variant {variant!r}; known: {VARIANTS}")
+VARIANTS = run_audit.VARIANTS
+actual_plan = run_audit.actual_plan
+sum_score_mu = run_audit.sum_score_mu
 
 
-def sum_score_mu(plan: train.Plan, sigma: float) -> float:
-    """The separation, in standard deviations, of an included Dirac canary's sum score from an
-    excluded one's: mean q T (units of C), variance T sigma^2 plus the sampling's T q (1 - q)
-    (data gradients on the canary's coordinate neglected): q sqrt(T) / sqrt(sigma^2 + q (1 - q))."""
-    q = plan.sample_rate
-    return q * math.sqrt(plan.steps) / math.sqrt(sigma**2 + q * (1 - q))
+class _Killed(Exception):
+    """Raised after the checkpoint of the epoch at which ``resume_reuses_noise`` stops its run."""
 
 
-def alternative_sigma(claimed: train.Plan, eps_alt: float, delta: float, accountant: str) -> float:
-    """The noise multiplier of the same run (rate, steps) calibrated to ``eps_alt``: the audit's
-    power is the bound its statistic reaches against that run (a clear violation of the claim)."""
-    from pipeline import privacy
+def input_canaries(m: int, *, L: int, V: int, eos_id: int, seed: int) -> tuple[torch.Tensor, np.ndarray]:
+    """(m, L + 1) canary posts of uniformly drawn token ids other than end-of-text (their own
+    generator), and their inclusion bits (secret until scoring)."""
+    g = torch.Generator().manual_seed(seed + 104729)
+    ids = torch.randint(0, V - 1, (m, L + 1), generator=g)
+    ids = ids + (ids >= eos_id).long()  # every id but eos_id
+    included = np.random.default_rng(seed + 104729).random(m) < 0.5
+    return ids, included
 
-    return privacy.dpsgd_noise_multiplier(eps=eps_alt, delta=delta, sample_rate=claimed.sample_rate,
-                                          steps=claimed.steps, accountant=accountant)
+
+def _train(build_model: Callable[[], torch.nn.Module], rows, mask, used: train.Plan, *, variant: str, C: float,
+           lr: float, seed: int, make_canaries: Callable | None) -> tuple[torch.nn.Module, DiracCanaries | None]:
+    """The audited training and its Dirac canaries (None for input canaries). ``resume_reuses_noise``
+    is stopped after half its epochs and resumed, into a fresh model and fresh canaries, from a
+    checkpoint whose noise generator is its first state."""
+    kw = dict(engine="phantom", C=C, lr=lr, warmup=0.1, weight_decay=0.0, seed=seed)
+    model = build_model()
+    dirac = make_canaries(model) if make_canaries is not None else None
+    if variant != "resume_reuses_noise":
+        train.run(model, rows, mask, used, canaries=dirac, **kw)
+        return model, dirac
+    from pipeline import checkpoints
+
+    half = used.steps // used.steps_per_epoch // 2
+    if half < 1:
+        raise ValueError("resume_reuses_noise stops a run after half its epochs: it needs at least 2 epochs")
+
+    def kill(epoch, metrics):
+        if epoch == half:
+            raise _Killed
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path, key = Path(tmp) / "audit.pt", {"audit": "resume_reuses_noise"}
+        try:
+            train.run(model, rows, mask, used, canaries=dirac, checkpoint=path, key=key, on_epoch=kill, **kw)
+        except _Killed:
+            pass
+        state = checkpoints.load(path, key)
+        state["noise"] = torch.Generator().manual_seed(streams.seed_of(seed, "noise")).get_state()  # the defect
+        checkpoints.save(path, state)
+        model = build_model()
+        dirac = make_canaries(model) if make_canaries is not None else None
+        train.run(model, rows, mask, used, canaries=dirac, checkpoint=path, resume=True, key=key, **kw)
+    return model, dirac
 
 
 def run(build_model: Callable[[], torch.nn.Module], rows: torch.Tensor, mask: torch.Tensor, *, variant: str,
         eps: float, delta: float, batch_size: int, epochs: int, C: float, lr: float, m: int, seed: int,
-        confidence: float = 0.95, guesses: tuple[int, ...] | None = None, power_factor: float = 2.0,
-        accountant: str = "prv") -> dict:
-    """One audited training run: its bounds, ceiling, power and verdict against the claimed eps."""
+        canaries: str = "dirac", confidence: float = 0.95, guesses: tuple[int, ...] | None = None,
+        power_factor: float = 2.0, accountant: str = "prv", V: int | None = None, eos_id: int = 0,
+        out: Path | None = None, params: dict | None = None) -> dict:
+    """One audited training run: its row (``run_audit.score``). With ``out``, it is recorded as an
+    MLflow run with its figure (``run_audit.record``; the caller has set the store up). ``V`` is the
+    vocabulary size input canaries draw from (default: the largest id in ``rows`` plus one)."""
+    if canaries not in run_audit.CANARIES:
+        raise ValueError(f"unknown canaries {canaries!r}; known: {run_audit.CANARIES}")
+    if variant not in run_audit.VARIANTS:
+        raise ValueError(f"unknown audit variant {variant!r}; known: {run_audit.VARIANTS}")
+    if canaries == "input":
+        posts, included = input_canaries(m, L=rows.shape[1] - 1, V=V or int(rows.max()) + 1, eos_id=eos_id, seed=seed)
+        rows = torch.cat([rows, posts])  # an excluded canary has no target: loss and gradient exactly 0
+        mask = torch.cat([mask, torch.from_numpy(included)[:, None].expand(m, mask.shape[1])])
     claimed = train.plan(n_posts=rows.shape[0], batch_size=batch_size, epochs=epochs, eps=eps, delta=delta,
                          private=True, vocab_share=0.0, accountant=accountant)
-    used = actual_plan(claimed, variant, eps=eps, delta=delta, accountant=accountant)
-    model = build_model()
-    params = [p for p in model.parameters() if p.requires_grad]
-    canaries = DiracCanaries(params, m=m, C=C, sample_rate=used.sample_rate, seed=seed)
-    train.run(model, rows, mask, used, engine="phantom", C=C, lr=lr, warmup=0.1, weight_decay=0.0, seed=seed,
-              canaries=canaries)
-    scores, included = canaries.scores(), canaries.reveal()  # the bits are read here, after training, only
-    guesses = guesses or tuple(sorted({max(1, m // 10), max(1, m // 2), m}))
-    binomial = auditing.one_run_bound(scores, included, delta=delta, confidence=confidence, guesses=guesses)
-    fdp = auditing.one_run_bound(scores, included, delta=delta, confidence=confidence, guesses=guesses, bound="fdp")
-    power = auditing.one_run_power(m, delta=delta, confidence=confidence, guesses=guesses,
-                                   mu=sum_score_mu(claimed, alternative_sigma(claimed, power_factor * eps, delta, accountant)))
-    return {"variant": variant, "claimed_eps": eps, "sigma_claimed": claimed.sigma, "sigma_used": used.sigma,
-            "sample_rate_used": used.sample_rate, "steps": claimed.steps, "m": m,
-            "mu_claimed": sum_score_mu(claimed, claimed.sigma), "mu_used": sum_score_mu(used, used.sigma),
-            "eps_lower": binomial.eps_lower, "gaussian_claim_rejected": fdp.eps_lower,
-            "correct": binomial.correct, "guesses": binomial.k_plus + binomial.k_minus,
-            "eps_ceiling": binomial.eps_ceiling, "power": power, "verdict": auditing.one_run_verdict(binomial, eps, power)}
+    used = run_audit.actual_plan(claimed, variant, eps=eps, delta=delta, accountant=accountant)
+
+    def make_dirac(model):
+        return DiracCanaries([p for p in model.parameters() if p.requires_grad], m=m, C=C,
+                             sample_rate=used.sample_rate, seed=seed)
+
+    model, dirac = _train(build_model, rows, mask, used, variant=variant, C=C, lr=lr, seed=seed,
+                          make_canaries=make_dirac if canaries == "dirac" else None)
+    if dirac is not None:
+        scores, bits = dirac.scores(), dirac.reveal()  # the bits are read here, after training, only
+    else:
+        model.eval()
+        with torch.no_grad():
+            every_target = torch.ones(m, posts.shape[1] - 1, dtype=torch.bool)
+            scores = -examples.example_losses(model, (posts, every_target)).double().numpy()
+        bits = included
+    row = run_audit.score(scores, bits, variant=variant, canaries=canaries, claimed=claimed, used=used, eps=eps,
+                          delta=delta, confidence=confidence, guesses=guesses, power_factor=power_factor,
+                          accountant=accountant)
+    if out is not None:
+        run_audit.record(row, scores, bits, task="lm", out=out, params=params or {})
+    return row
 
 
 def validate(cfg) -> tuple:
     """The audit's settings, refused before anything runs: the cell's (``config.validate``), the
-    number of canaries and the variants; the run must be private."""
-    from pipeline import validation
+    audit's shared keys, the number and kind of canaries and the variants; the run must be private."""
+    from pipeline import auditing, validation
     from pipeline.lm import config
     from pipeline.validation import ConfigError
 
     s = config.validate(cfg)
-    spec = (cfg.get("audit") or {}).get("lm") or {}
+    auditing.check_keys(cfg.audit)
+    spec = cfg.audit.get("lm") or {}
     m = validation.positive_int(spec.get("m", 1000), "audit.lm.m")
+    kind = spec.get("canaries", "dirac")
+    if kind not in run_audit.CANARIES:
+        raise ConfigError(f"audit.lm.canaries: {kind!r} is unknown; known: {list(run_audit.CANARIES)}")
     variants = list(spec.get("variants") or ["engine"])
     for v in variants:
         if v not in VARIANTS:
@@ -119,24 +154,29 @@ def validate(cfg) -> tuple:
     if s.engine == "none" or not math.isfinite(s.eps):
         raise ConfigError(f"clipping.name = {s.engine!r}, privacy.eps = {s.eps:g}: the whole-run audit audits a "
                           "private run (a clipping engine and a finite eps)")
-    return s, m, variants
+    if "resume_reuses_noise" in variants and s.epochs < 2:
+        raise ConfigError(f"audit.lm.variants: resume_reuses_noise stops the run after half its epochs; "
+                          f"train.epochs = {s.epochs} has no half (at least 2)")
+    return s, m, kind, variants
 
 
 def from_config(cfg):
     """``python -m pipeline.audit experiment=lm_*``: each variant a real training of the preset's
-    model on its posts and vocabulary (``prepare``), audited against DP-SGD's share of the budget."""
+    model on its posts and vocabulary (``prepare``), audited against DP-SGD's share of the budget,
+    each an MLflow run (kind=audit, scope=run) with its figure; ``audit.csv`` holds every row."""
     import pandas as pd
 
     from pipeline import tracking
-    from pipeline.lm import models, streams
+    from pipeline.lm import models
     from pipeline.lm.prepare import prepare
 
-    s, m, variants = validate(cfg)  # before anything is created or computed
+    s, m, kind, variants = validate(cfg)  # before anything is created or computed
     if s.threads:
         torch.set_num_threads(s.threads)
     prep = prepare(s, s.seed)
     out = tracking.output_dir()
     out.mkdir(parents=True, exist_ok=True)
+    tracking.setup(cfg)
 
     def build():
         torch.manual_seed(streams.seed_of(s.seed, "init"))
@@ -144,18 +184,21 @@ def from_config(cfg):
                             dropout=s.dropout, eos_id=prep.eos_id)
 
     eps, delta = (1 - s.vocab_share) * s.eps, (1 - s.vocab_share) * s.delta
+    params = {"model": f"gpt2 d{s.d} x{s.layers}", "tied": s.tied, "clipping": "phantom", "C": s.C, "lr": s.lr,
+              "batch_size": s.batch_size, "epochs": s.epochs, "posts": int(prep.rows.shape[0]), "V": prep.V,
+              "L": s.L, "seed": s.seed, "accountant": s.accountant}
     rows = []
     for variant in variants:
         rows.append(run(build, prep.rows, prep.mask, variant=variant, eps=eps, delta=delta, batch_size=s.batch_size,
-                        epochs=s.epochs, C=s.C, lr=s.lr, m=m, seed=s.seed,
-                        confidence=float(cfg.audit.get("confidence", 0.95)),
-                        power_factor=float(cfg.audit.get("power_factor", 2.0)), accountant=s.accountant))
+                        epochs=s.epochs, C=s.C, lr=s.lr, m=m, seed=s.seed, canaries=kind,
+                        confidence=float(cfg.audit.confidence), power_factor=float(cfg.audit.power_factor),
+                        accountant=s.accountant, V=prep.V, eos_id=prep.eos_id, out=out, params=params))
         r = rows[-1]
-        print(f"{variant:17s} eps_lower {r['eps_lower']:.3f} (claim {eps:g}, ceiling {r['eps_ceiling']:.2f}, "
+        print(f"{variant:19s} {kind}: eps_lower {r['eps_lower']:.3f} (claim {eps:g}, ceiling {r['eps_ceiling']:.2f}, "
               f"power {r['power']:.2f})  {r['correct']}/{r['guesses']} right  {r['verdict']}", flush=True)
     table = pd.DataFrame(rows)
     table.to_csv(out / "audit.csv", index=False)
-    print(f"wrote {out / 'audit.csv'}", flush=True)
+    print(f"wrote {out / 'audit.csv'} and one MLflow run per variant (kind=audit, scope=run)", flush=True)
     return table
 
 
@@ -164,7 +207,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     GPT-2, in seconds (the task's own posts: ``python -m pipeline.audit experiment=lm_ci``); one line each."""
     import argparse
 
-    from pipeline.lm import examples, models
+    from pipeline.lm import models
 
     parser = argparse.ArgumentParser(description=main.__doc__.splitlines()[0])
     parser.add_argument("--eps", type=float, default=1.0)
@@ -175,6 +218,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--epochs", type=int, default=10)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
+    parser.add_argument("--canaries", default="dirac", choices=run_audit.CANARIES)
     args = parser.parse_args(argv)
     g = torch.Generator().manual_seed(args.seed)
     posts = [[1 + (int(torch.randint(0, 3, (1,), generator=g)) + k) % 30 for k in range(7)] + [0]
@@ -188,8 +232,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     out = []
     for variant in args.variants:
         r = run(build, rows, mask, variant=variant, eps=args.eps, delta=args.delta, batch_size=args.batch_size,
-                epochs=args.epochs, C=1.0, lr=1e-2, m=args.m, seed=args.seed)
-        print(f"{variant:17s} sigma {r['sigma_used']:.3f} (claimed {r['sigma_claimed']:.3f})  q {r['sample_rate_used']:.2f}  "
+                epochs=args.epochs, C=1.0, lr=1e-2, m=args.m, seed=args.seed, canaries=args.canaries, V=40)
+        print(f"{variant:19s} sigma {r['sigma_used']:.3f} (claimed {r['sigma_claimed']:.3f})  q {r['sample_rate_used']:.2f}  "
               f"mu {r['mu_used']:.3f}  eps_lower {r['eps_lower']:.3f} (Gaussian claim rejected up to {r['gaussian_claim_rejected']:.3f})  "
               f"{r['correct']}/{r['guesses']} right  ceiling {r['eps_ceiling']:.2f}  power {r['power']:.2f}  {r['verdict']}",
               flush=True)

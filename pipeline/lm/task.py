@@ -13,6 +13,7 @@ class LanguageModel:
     name = "lm"
     devices = ("cpu", "cuda")
     audit_devices = ("cpu",)
+    audit_scope = "run"  # its audit is of a whole DP-SGD training, in one run (pipeline/lm/audit.py)
 
     def validate(self, cfg: DictConfig):
         from pipeline.lm import config

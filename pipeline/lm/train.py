@@ -99,7 +99,8 @@ def run(model, rows: torch.Tensor, mask: torch.Tensor, run_plan: Plan, *, engine
         resume: bool = False, key: dict | None = None, validate_every: int = 1) -> History:
     """Train ``model`` in place on the (n, L + 1) ``rows`` and their target ``mask``. With
     ``canaries`` (``pipeline.canaries.DiracCanaries``, the whole-run audit), the sampled included
-    canaries join every step's clipped sum before the noise, and the noisy sum is observed. The
+    canaries join every step's clipped sum before the noise, and the noisy sum is observed (their
+    sums and generator are checkpointed with the rest, so an audited run resumes too). The
     rows stay where they are; each step's sample moves to the model's device (Poisson sampling and
     noise are drawn on the CPU). With ``checkpoint`` (a path), everything the next epoch depends on
     (model, optimizer, schedule, both generators, torch's global generator, the history, the
@@ -107,8 +108,6 @@ def run(model, rows: torch.Tensor, mask: torch.Tensor, run_plan: Plan, *, engine
     with ``resume``, a checkpoint there whose ``key`` matches is continued from, and the run ends
     with the numbers of an uninterrupted one. ``validate`` runs after every ``validate_every``-th
     epoch and after the last."""
-    if canaries is not None and checkpoint is not None:
-        raise ValueError("a canary audit is not checkpointed: its canaries' sums live in memory only")
     if canaries is not None and engine == "none":
         raise ValueError("canaries audit a private run: engine none has no clipped sum to join")
     clip = engines.make(engine, model, C)
@@ -129,6 +128,10 @@ def run(model, rows: torch.Tensor, mask: torch.Tensor, run_plan: Plan, *, engine
         sampler.set_state(state["sampler"])
         gen.set_state(state["noise"])
         torch.set_rng_state(state["cpu_rng"])
+        if canaries is not None:
+            if state.get("canaries") is None:
+                raise ValueError(f"{checkpoint} holds no canaries' state: an audited run resumes only its own checkpoint")
+            canaries.load_state(state["canaries"])
         history = History(**state["history"])
         first = int(state["epoch"]) + 1
         log.info("resume: %s holds epoch %d of %d; continuing from epoch %d", checkpoint, first - 1, epochs, first)
@@ -179,6 +182,7 @@ def run(model, rows: torch.Tensor, mask: torch.Tensor, run_plan: Plan, *, engine
                 "key": key or {}, "epoch": epoch, "model": model.state_dict(), "optimizer": opt.state_dict(),
                 "schedule": sched.state_dict(), "sampler": sampler.get_state(), "noise": gen.get_state(),
                 "cpu_rng": torch.get_rng_state(), "history": asdict(history),
+                "canaries": None if canaries is None else canaries.state(),
                 "accountant": {"sigma": run_plan.sigma, "sample_rate": run_plan.sample_rate,
                                "steps": epoch * run_plan.steps_per_epoch}})
         if on_epoch is not None:
