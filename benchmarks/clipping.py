@@ -24,12 +24,11 @@ import argparse
 import json
 import warnings
 import os
-import resource
-import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
+
+from benchmarks.measure import measure
 
 ROOT = Path(__file__).resolve().parents[1]
 warnings.filterwarnings("ignore", message="Full backward hook is firing")  # Opacus's hooks on id-fed layers
@@ -135,26 +134,8 @@ def cell(engine: str, V: int, B: int, d: int, layers: int, T: int, repeats: int,
                 finally:
                     wrapped.enable_hooks()
 
-    def sync():
-        if dev.type == "cuda":
-            torch.cuda.synchronize(dev)
-
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    if dev.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(dev)
-    step()  # warm-up
-    sync()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        step()
-        sync()
-        times.append(time.perf_counter() - start)
-    if dev.type == "cuda":
-        peak = torch.cuda.max_memory_allocated(dev) / 2**30
-    else:
-        peak = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 2**20  # KiB on Linux
-    return {"engine": engine, "V": V, "B": B, "d": d, "layers": layers, "T": T, "seconds": statistics.median(times),
+    seconds, peak = measure(step, dev, repeats)
+    return {"engine": engine, "V": V, "B": B, "d": d, "layers": layers, "T": T, "seconds": seconds,
             "peak_gib": peak, "device": device, "threads": torch.get_num_threads()}
 
 

@@ -23,13 +23,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
-import statistics
 import subprocess
 import sys
-import time
 import warnings
 from pathlib import Path
+
+from benchmarks.measure import measure
 
 ROOT = Path(__file__).resolve().parents[1]
 warnings.filterwarnings("ignore", message="Full backward hook is firing")  # Opacus's hooks on id-fed layers
@@ -53,27 +52,9 @@ def cell(name: str, V: int, B: int, L: int, d: int, layers: int, heads: int, rep
     batch = (torch.randint(0, V, (B, L + 1), generator=gen).to(dev), torch.ones(B, L, dtype=torch.bool, device=dev))
     clip = engines.make(engine, model, 1.0)
 
-    def sync():
-        if dev.type == "cuda":
-            torch.cuda.synchronize(dev)
-
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    if dev.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(dev)
-    clip.step(batch)  # warm-up
-    sync()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        clip.step(batch)
-        sync()
-        times.append(time.perf_counter() - start)
-    if dev.type == "cuda":
-        peak = torch.cuda.max_memory_allocated(dev) / 2**30
-    else:
-        peak = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 2**20  # KiB on Linux
+    seconds, peak = measure(lambda: clip.step(batch), dev, repeats)
     return {"cell": name, "engine": engine, "tying": tying, "V": V, "B": B, "L": L, "d": d, "layers": layers,
-            "seconds": statistics.median(times), "peak_gib": peak, "device": device,
+            "seconds": seconds, "peak_gib": peak, "device": device,
             "threads": torch.get_num_threads(), "parameters": models.parameters(model)}
 
 

@@ -166,7 +166,12 @@ def test_the_paired_gain_its_t_interval_and_the_verdicts():
         half = stats.t.ppf(0.975, 2) * g.std(ddof=1) / math.sqrt(3)
         assert found.loc[e, "gain_mean"] == pytest.approx(g.mean())
         assert found.loc[e, "ci_low"] == pytest.approx(g.mean() - half)
-    assert found["verdict"].to_dict() == {1.0: "reproduced", 8.0: "contradicted", math.inf: "inconclusive"}
+    assert found["verdict"].to_dict() == {1.0: "reproduced", 8.0: "contradicted", math.inf: "no DP-SGD"}
+    per[math.inf] = [0.1, 0.12, 0.11]  # a clear gain without noise is still no verdict on DP-SGD
+    noiseless = _results(per, lrs=(1e-3, 3e-3), better_lr=3e-3)
+    assert sweep.gains(noiseless, sweep.selected(noiseless)).set_index("eps").loc[math.inf, "verdict"] == "no DP-SGD"
+    signs = sweep.bucket_gains(results, picks)
+    assert "verdict" not in signs and set(signs["sign"]) <= {"positive", "negative", "inconclusive", "no DP-SGD"}
     assert list(found.index) == [1.0, 8.0, math.inf]  # non-private last
     long = sweep.table(results, picks)
     tied = long[long["model"] == "tied"].set_index("eps")
@@ -219,7 +224,7 @@ def test_a_tying_sweep_of_the_ci_preset_runs_end_to_end(run_cli):
         assert r.data.metrics["evaluate.lm.test_perplexity"] > 1
     sweep_dir = run_cli.tmp / "sweep"
     gains = pd.read_csv(sweep_dir / "gains.csv")
-    assert gains["seeds"].tolist() == [2] and set(gains["verdict"]) <= {"reproduced", "contradicted", "inconclusive"}
+    assert gains["seeds"].tolist() == [2] and set(gains["verdict"]) <= {"reproduced", "contradicted", "inconclusive", "no DP-SGD"}
     assert (sweep_dir / "report.html").is_file() and "Tying's relative perplexity gain" in (sweep_dir / "table.md").read_text()
 
 

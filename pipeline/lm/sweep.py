@@ -15,7 +15,10 @@ the model's shape, ...) are kept apart, each such setting its own rows, selectio
   mean and 95% Student-t interval per eps, and a verdict on DPFormer's claim that tying is
   essential under DP-SGD: ``reproduced`` where the interval lies above 0, ``contradicted`` where it
   lies below 0 (tying hurts), else ``inconclusive``; fewer than 2 paired seeds: ``inconclusive``;
-- ``buckets.csv``: the same gain over the head, torso and tail tokens (``evaluate.BUCKETS``);
+  eps = inf (no noise: the claim is about DP-SGD): ``no DP-SGD``, whatever the interval;
+- ``buckets.csv``: the same gain over the head, torso and tail tokens (``evaluate.BUCKETS``), its
+  ``sign`` (``positive``, ``negative`` or ``inconclusive`` by the interval): the claim that the tail
+  gains most is read across the buckets, not from one;
 - ``grid.csv`` where the learning rate varies: per model and eps, the learning rate with the best
   mean validation perplexity;
 - ``perplexity.png``, ``buckets.png``, ``report.html`` and ``metrics.json``.
@@ -101,8 +104,9 @@ def table(results: pd.DataFrame, picks: pd.DataFrame) -> pd.DataFrame:
     return long
 
 
-def _paired(results: pd.DataFrame, picks: pd.DataFrame, column: str) -> pd.DataFrame:
-    """Per eps: g_s = 1 - column(tied, s) / column(untied, s), each at its selected learning rate."""
+def _paired(results: pd.DataFrame, picks: pd.DataFrame, column: str, labels=("reproduced", "contradicted")) -> pd.DataFrame:
+    """Per eps: g_s = 1 - column(tied, s) / column(untied, s), each at its selected learning rate;
+    ``labels`` name an interval above and below 0 (a finite eps; eps = inf is ``no DP-SGD``)."""
     from scipy import stats
 
     test = _models(results, "test").merge(picks[["setting", "model", "eps", "lr"]])
@@ -121,7 +125,9 @@ def _paired(results: pd.DataFrame, picks: pd.DataFrame, column: str) -> pd.DataF
         if n >= 2:
             half = float(stats.t.ppf(0.5 + LEVEL / 2, n - 1) * gain.std(ddof=1) / math.sqrt(n))
             low, high = mean - half, mean + half
-        verdict = ("reproduced" if n >= 2 and low > 0 else "contradicted" if n >= 2 and high < 0 else "inconclusive")
+        verdict = (labels[0] if n >= 2 and low > 0 else labels[1] if n >= 2 and high < 0 else "inconclusive")
+        if math.isinf(e):
+            verdict = "no DP-SGD"
         if n == 0:  # no seed ran both: no pair
             continue
         out.append({"setting": setting, "eps": e, "seeds": n, "gain_mean": mean, "ci_low": low, "ci_high": high,
@@ -137,9 +143,10 @@ def gains(results: pd.DataFrame, picks: pd.DataFrame) -> pd.DataFrame:
 
 
 def bucket_gains(results: pd.DataFrame, picks: pd.DataFrame) -> pd.DataFrame:
-    frames = [_paired(results, picks, f"perplexity_{b}").assign(bucket=b) for b in BUCKETS]
-    return pd.concat(frames, ignore_index=True)[["setting", "bucket", "eps", "seeds", "gain_mean", "ci_low", "ci_high",
-                                                 "verdict"]]
+    frames = [_paired(results, picks, f"perplexity_{b}", labels=("positive", "negative")).assign(bucket=b)
+              for b in BUCKETS]
+    return pd.concat(frames, ignore_index=True).rename(columns={"verdict": "sign"})[
+        ["setting", "bucket", "eps", "seeds", "gain_mean", "ci_low", "ci_high", "sign"]]
 
 
 def _fmt(mean: float, sd: float, digits: int = 1) -> str:

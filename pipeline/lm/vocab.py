@@ -105,16 +105,16 @@ def select(counts: Counter, cal: Calibration, rng: np.random.Generator) -> dict[
     return {w: float(c) for w, c in zip(words, noisy) if c > cal.tau}
 
 
-def reachable(posts: Iterable[str], size: int, max_pieces: int | None = None) -> int | None:
-    """None if BPE could reach ``size`` tokens from these posts' pieces (every piece of each post, or
-    with ``max_pieces`` each post's contribution: all a private selection can release), else the most
-    it could: the 256 bytes, the end-of-text token and one token per merge, and a merge joins two
+def reachable(posts: Iterable[str], size: int) -> int | None:
+    """None if BPE could reach ``size`` tokens from these posts' pieces (a public vocabulary's
+    check: a private one is not checked against its posts outside its mechanism), else the most it
+    could: the 256 bytes, the end-of-text token and one token per merge, and a merge joins two
     tokens of some distinct piece, so a piece of k bytes allows at most k - 1 of them. Reads posts
     only until the bound passes ``size`` (a few hundred posts for GPT-2's 50,257)."""
     seen: set[str] = set()
     most = 257
     for post in posts:
-        for w in (pieces(post) if max_pieces is None else contribution(post, max_pieces)):
+        for w in pieces(post):
             if w not in seen:
                 seen.add(w)
                 most += len(w) - 1
