@@ -32,7 +32,7 @@ statistic see a resume that reuses noise; a statistic that differences the repla
 norm) is invisible to Dirac canaries by construction (their gradient is added after clipping, of
 norm exactly C); only input-space canaries, whose gradients pass through the engine, could see it.
 
-**Canaries** (``audit.<task>.canaries``): ``dirac`` (white-box, ``pipeline.canaries``: the
+**Canaries** (``audit.<task>.variants``: ``<variant>`` or ``<variant>:input``): ``dirac`` (white-box, ``pipeline.canaries``: the
 strongest) or ``input`` (canary examples with unique random content, each included in the training
 data with probability 1/2, scored by minus their loss under the final model: what an attacker of
 the released model can do; expect a weak bound).

@@ -16,7 +16,7 @@ ARCHIVE = ROOT.parent / "shared" / "data" / "20news-bydate.tar.gz"
 AMAZON = ROOT.parent / "shared" / "data" / "amazon-games-sasrec.txt"
 STAGES = ("fig1", "fig2", "fig3", "fig4", "fig5", "table1", "fig6", "beyond_lowdim", "beyond_highdim")
 DPFORMER = ("dpformer_fig2", "dpformer_table1", "dpformer_fig7", "dpformer_table2")
-LM = ("lm_tying", "lm_cost")
+LM = ("lm_tying", "lm_cost", "lm_audit_run")
 PREFIXES = {"dpformer": "dpformer_", "lm": "lm_"}  # a stage's task by its name; NoisyHead's have no prefix
 
 pytestmark = pytest.mark.skipif(shutil.which("dvc") is None or not ARCHIVE.is_file() or not AMAZON.is_file(),
@@ -48,6 +48,9 @@ def _copy(tmp_path) -> Path:
         "model.d=8 model.layers=1 model.heads=2 train.batch_size=20 train.epochs=1 train.validate_every=1 "
         "privacy.eps=1,inf seed=0,1 mlflow.tracking_uri=sqlite:///mlflow.db\n"
         "lm_cost_grid: --V 300 600 --B 2 --L 4 --d 8 --layers 1 --heads 2 --repeats 1\n"
+        "lm_audit_m: 200\nlm_audit_input_m: 20\nlm_audit_extra: dataset.posts=60 dataset.eval_posts=10 dataset.L=8 "
+        "vocab.size=300 model.d=8 model.layers=1 model.heads=2 train.batch_size=20 train.epochs=2 "
+        "mlflow.tracking_uri=sqlite:///mlflow.db\n"
     )
     run(["git", "init", "-q"], repo)
     run(["git", "-c", "user.name=ci", "-c", "user.email=ci@example.org", "add", "-A"], repo)
@@ -120,6 +123,12 @@ def _lm_artifacts(repo: Path) -> None:
     cost = json.loads((repo / "artifacts/lm_cost/cost.json").read_text())
     assert len(cost) == 12 and all("error" not in r for r in cost)  # six engines and tyings at two V
     assert (repo / "artifacts/lm_cost/cost.png").stat().st_size > 0
+    audit = pd.read_csv(repo / "artifacts/lm_audit_run/audit.csv")  # the whole-run audit: six variants, two with input canaries
+    assert len(audit) == 8 and list(audit["canaries"]).count("input") == 2 and set(audit["m"]) == {200, 20}
+    assert (audit["eps_lower"] <= audit["eps_ceiling"]).all() and audit["verdict"].notna().all()
+    assert "| resume_reuses_noise | dirac | 200 |" in (repo / "artifacts/lm_audit_run/audit.md").read_text()
+    assert len(list((repo / "artifacts/lm_audit_run/runs").glob("*.png"))) == 8
+    assert "no_noise.dirac.eps_ceiling" in json.loads((repo / "artifacts/lm_audit_run/metrics.json").read_text())
 
 
 def _stages(task: str) -> list[str]:
@@ -194,6 +203,10 @@ LOADS = {  # what a stage's process imports: its entry points and the modules it
                  "pipeline.lm.prepare", "pipeline.lm.memory", "pipeline.lm.engines", "pipeline.clipping",
                  "pipeline.clipping.opacus", "hydra_plugins.pipeline_sweeper.validating_sweeper",
                  "hydra_plugins.pipeline_sweeper.searchpath"],
+    "lm_audit_run": ["pipeline.audit", "pipeline.tasks", "pipeline.overrides", "pipeline.preflight", "pipeline.lm.task",
+                     "pipeline.lm.audit", "pipeline.lm.config", "pipeline.lm.prepare", "pipeline.lm.train",
+                     "pipeline.lm.models", "pipeline.lm.engines", "pipeline.run_audit", "pipeline.auditing",
+                     "pipeline.canaries", "pipeline.clipping", "hydra_plugins.pipeline_sweeper.searchpath"],
     "lm_cost": ["benchmarks.lm_step", "pipeline.lm.engines", "pipeline.lm.models", "pipeline.lm.examples",
                 "pipeline.clipping", "pipeline.clipping.opacus", "pipeline.plot"],
 }

@@ -5,6 +5,8 @@ and a run without noise is a violation."""
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 import torch
@@ -157,6 +159,8 @@ def test_the_controls_the_sum_statistic_cannot_see_are_said_and_an_input_audit_i
     assert inputs["canaries"] == "input" and 0 < inputs["included"] < 200
     with pytest.raises(ValueError, match="unknown canaries"):
         audit.run(build, rows, mask, variant="engine", canaries="text", **kw)
+    assert audit.parse_variants(["engine", "no_noise:input", "noise_halved:dirac"]) == [
+        ("engine", "dirac"), ("no_noise", "input"), ("noise_halved", "dirac")]
 
 
 def test_each_audit_is_an_mlflow_run_with_its_figure_and_scores(tmp_path, monkeypatch):
@@ -224,17 +228,23 @@ def test_the_cli_audits_the_language_models_run_as_mlflow_runs_and_refuses_befor
     import mlflow
     import pandas as pd
 
-    proc = _audit_cli(tmp_path, "experiment=lm_ci", "audit.scope=run", "audit.lm.m=300",
-                      "audit.lm.variants=[engine,no_noise]")
+    proc = _audit_cli(tmp_path, "experiment=lm_ci", "audit.scope=run", "audit.lm.m=300", "audit.lm.input_m=40",
+                      "audit.lm.variants=[engine,no_noise,engine:input]", f"report.dir={tmp_path / 'report'}")
     assert proc.returncode == 0, proc.stderr[-3000:]
     table = pd.read_csv(tmp_path / "out" / "audit" / "audit.csv")
-    assert list(table["variant"]) == ["engine", "no_noise"] and set(table["m"]) == {300}
+    assert list(table["variant"]) == ["engine", "no_noise", "engine"] and list(table["m"]) == [300, 300, 40]
+    assert list(table["canaries"]) == ["dirac", "dirac", "input"]
     assert table["verdict"][0] != "violation" and table["eps_lower"][1] > table["eps_lower"][0]
+    report = tmp_path / "report"  # a DVC stage's artifacts: the same files
+    assert (report / "audit.csv").read_bytes() == (tmp_path / "out" / "audit" / "audit.csv").read_bytes()
+    assert "| no_noise | dirac | 300 |" in (report / "audit.md").read_text()
+    assert json.loads((report / "metrics.json").read_text())["no_noise.dirac.eps_lower"] == table["eps_lower"][1]
+    assert {p.name for p in (report / "runs").iterdir()} >= {"audit_run_engine-input.png", "audit_run_no_noise-dirac.png"}
     mlflow.set_tracking_uri(f"sqlite:///{tmp_path / 'mlflow.db'}")
     runs = mlflow.search_runs(search_all_experiments=True, filter_string="tags.kind = 'audit'")
-    assert sorted(runs["tags.variant"]) == ["engine", "no_noise"] and set(runs["tags.scope"]) == {"run"}
+    assert sorted(runs["tags.variant"]) == ["engine", "engine", "no_noise"] and set(runs["tags.scope"]) == {"run"}
     assert set(runs["status"]) == {"FINISHED"} and set(runs["tags.verdict"]) == set(table["verdict"])
-    for override, key in (("audit.scope=all", "audit.scope"), ("audit.lm.canaries=text", "audit.lm.canaries"),
+    for override, key in (("audit.scope=all", "audit.scope"), ("audit.lm.variants=[engine:text]", "audit.lm.variants"),
                           ("audit.lm.variants=[half]", "audit.lm.variants"), ("audit.lm.m=0", "audit.lm.m")):
         bad = tmp_path / override.replace("=", "_").replace("[", "").replace("]", "")
         bad.mkdir()

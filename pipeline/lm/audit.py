@@ -133,9 +133,26 @@ def run(build_model: Callable[[], torch.nn.Module], rows: torch.Tensor, mask: to
     return row
 
 
+def parse_variants(spec, key: str = "audit.lm.variants") -> list[tuple[str, str]]:
+    """``[engine, no_noise, engine:input]`` -> [(variant, canaries)]: a variant name, optionally
+    followed by ``:input`` (input-space canaries) or ``:dirac`` (the default)."""
+    from pipeline.validation import ConfigError
+
+    out = []
+    for entry in list(spec or ["engine"]):
+        variant, _, kind = str(entry).partition(":")
+        kind = kind or "dirac"
+        if variant not in VARIANTS:
+            raise ConfigError(f"{key}: {entry!r} is unknown; known: {list(VARIANTS)}, each optionally :input or :dirac")
+        if kind not in run_audit.CANARIES:
+            raise ConfigError(f"{key}: {entry!r} names canaries {kind!r}; known: {list(run_audit.CANARIES)}")
+        out.append((variant, kind))
+    return out
+
+
 def validate(cfg) -> tuple:
     """The audit's settings, refused before anything runs: the cell's (``config.validate``), the
-    audit's shared keys, the number and kind of canaries and the variants; the run must be private."""
+    audit's shared keys, the canary counts and the variants; the run must be private."""
     from pipeline import auditing, validation
     from pipeline.lm import config
     from pipeline.validation import ConfigError
@@ -143,34 +160,46 @@ def validate(cfg) -> tuple:
     s = config.validate(cfg)
     auditing.check_keys(cfg.audit)
     spec = cfg.audit.get("lm") or {}
-    m = validation.positive_int(spec.get("m", 1000), "audit.lm.m")
-    kind = spec.get("canaries", "dirac")
-    if kind not in run_audit.CANARIES:
-        raise ConfigError(f"audit.lm.canaries: {kind!r} is unknown; known: {list(run_audit.CANARIES)}")
-    variants = list(spec.get("variants") or ["engine"])
-    for v in variants:
-        if v not in VARIANTS:
-            raise ConfigError(f"audit.lm.variants: {v!r} is unknown; known: {list(VARIANTS)}")
+    m = {"dirac": validation.positive_int(spec.get("m", 1000), "audit.lm.m"),
+         "input": validation.positive_int(spec.get("input_m", 1000), "audit.lm.input_m")}
+    variants = parse_variants(spec.get("variants"))
     if s.engine == "none" or not math.isfinite(s.eps):
         raise ConfigError(f"clipping.name = {s.engine!r}, privacy.eps = {s.eps:g}: the whole-run audit audits a "
                           "private run (a clipping engine and a finite eps)")
-    if "resume_reuses_noise" in variants and s.epochs < 2:
+    if any(v == "resume_reuses_noise" for v, _ in variants) and s.epochs < 2:
         raise ConfigError(f"audit.lm.variants: resume_reuses_noise stops the run after half its epochs; "
                           f"train.epochs = {s.epochs} has no half (at least 2)")
-    return s, m, kind, variants
+    return s, m, variants
+
+
+def markdown(table, scale: str) -> str:
+    """The audit's table: one row per audited run."""
+    lines = [f"Whole-run audit (Steinke et al.'s one-run bound, {100 * table['confidence'].iloc[0]:.0f}% confidence), "
+             f"{scale}\n", "| variant | canaries | m | sigma used (claimed) | q used | correct / guesses | eps lower bound "
+             "| claim | ceiling | power | verdict |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in table.itertuples():
+        lines.append(f"| {r.variant} | {r.canaries} | {r.m} | {r.sigma_used:.3f} ({r.sigma_claimed:.3f}) | "
+                     f"{r.sample_rate_used:.3g} | {r.correct} / {r.guesses} | {r.eps_lower:.3f} | {r.claimed_eps:g} | "
+                     f"{r.eps_ceiling:.2f} | {r.power:.2f} | {r.verdict} |")
+    return "\n".join(lines) + "\n"
 
 
 def from_config(cfg):
     """``python -m pipeline.audit experiment=lm_*``: each variant a real training of the preset's
     model on its posts and vocabulary (``prepare``), audited against DP-SGD's share of the budget,
-    each an MLflow run (kind=audit, scope=run) with its figure; ``audit.csv`` holds every row."""
+    each an MLflow run (kind=audit, scope=run) with its figure and scores; ``audit.csv``,
+    ``audit.md`` and ``metrics.json`` hold every row (in the run's folder, and in ``report.dir``
+    where set: a DVC stage's artifacts)."""
+    import json
+    import shutil
+
     import pandas as pd
 
     from pipeline import tracking
     from pipeline.lm import models
     from pipeline.lm.prepare import prepare
 
-    s, m, kind, variants = validate(cfg)  # before anything is created or computed
+    s, m, variants = validate(cfg)  # before anything is created or computed
     if s.threads:
         torch.set_num_threads(s.threads)
     prep = prepare(s, s.seed)
@@ -188,17 +217,34 @@ def from_config(cfg):
               "batch_size": s.batch_size, "epochs": s.epochs, "posts": int(prep.rows.shape[0]), "V": prep.V,
               "L": s.L, "seed": s.seed, "accountant": s.accountant}
     rows = []
-    for variant in variants:
+    for variant, kind in variants:
         rows.append(run(build, prep.rows, prep.mask, variant=variant, eps=eps, delta=delta, batch_size=s.batch_size,
-                        epochs=s.epochs, C=s.C, lr=s.lr, m=m, seed=s.seed, canaries=kind,
+                        epochs=s.epochs, C=s.C, lr=s.lr, m=m[kind], seed=s.seed, canaries=kind,
                         confidence=float(cfg.audit.confidence), power_factor=float(cfg.audit.power_factor),
-                        accountant=s.accountant, V=prep.V, eos_id=prep.eos_id, out=out, params=params))
+                        accountant=s.accountant, V=prep.V, eos_id=prep.eos_id, out=out / "runs", params=params))
         r = rows[-1]
-        print(f"{variant:19s} {kind}: eps_lower {r['eps_lower']:.3f} (claim {eps:g}, ceiling {r['eps_ceiling']:.2f}, "
+        print(f"{variant:19s} {kind:5s}: eps_lower {r['eps_lower']:.3f} (claim {eps:g}, ceiling {r['eps_ceiling']:.2f}, "
               f"power {r['power']:.2f})  {r['correct']}/{r['guesses']} right  {r['verdict']}", flush=True)
     table = pd.DataFrame(rows)
+    scale = (f"GPT-2 d = {s.d}, {s.layers} layers, {'tied' if s.tied else 'untied'}, V = {prep.V}, L = {s.L}, "
+             f"{int(prep.rows.shape[0])} posts, B = {s.batch_size}, {rows[0]['steps']} steps, seed {s.seed}")
     table.to_csv(out / "audit.csv", index=False)
-    print(f"wrote {out / 'audit.csv'} and one MLflow run per variant (kind=audit, scope=run)", flush=True)
+    (out / "audit.md").write_text(markdown(table, scale))
+    metrics = {f"{r['variant']}.{r['canaries']}.{k}": r[k] for r in rows  # strict JSON: a non-finite value left out
+               for k in ("eps_lower", "eps_ceiling", "power", "correct", "guesses") if math.isfinite(r[k])}
+    (out / "metrics.json").write_text(json.dumps(metrics | {"claimed_eps": eps, "runs": len(rows)}, indent=1) + "\n")
+    where = [out]
+    if cfg.get("report", {}).get("dir"):
+        report = Path(str(cfg.report.dir))
+        if report.resolve() != out.resolve():
+            report.mkdir(parents=True, exist_ok=True)
+            shutil.rmtree(report / "runs", ignore_errors=True)
+            shutil.copytree(out / "runs", report / "runs")
+            for name in ("audit.csv", "audit.md", "metrics.json"):
+                shutil.copy2(out / name, report / name)
+            where.append(report)
+    print(f"wrote audit.csv, audit.md and metrics.json to {' and '.join(map(str, where))}; one MLflow run per "
+          "variant (kind=audit, scope=run)", flush=True)
     return table
 
 
