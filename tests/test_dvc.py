@@ -38,11 +38,13 @@ def _copy(tmp_path) -> Path:
         if (ROOT / name).is_file() and not name.startswith(("artifacts/", "data/")):
             (repo / name).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(ROOT / name, repo / name)
+    # CI size: two trials, one seed, one epoch, one DPFormer batch size (the tuning grids keep their learning
+    # rates: each table must still run each model at the setting tuned for it), tiny models and data
     (repo / "params.yaml").write_text(
         f"trials: 2\nnewsgroups_trials: 2\narchive: {ARCHIVE}\ndevice: cpu\n"
         "extra: dataset.n_test=8 compute.chunk_trials=2 mlflow.tracking_uri=sqlite:///mlflow.db\n"
         f"amazon: {AMAZON}\ndpformer_synthetic_data: synthetic_longtail_tiny\ndpformer_amazon_data: amazon_games_tiny\n"
-        "dpformer_jobs: 2\ndpformer_device: cpu\ndpformer_extra: seed=0 seqrec.epochs=1 model.d=8 model.d_ff=16 "
+        "dpformer_jobs: 2\ndpformer_device: cpu\ndpformer_extra: seed=0 seqrec.epochs=1 seqrec.batch_size=128 model.d=8 model.d_ff=16 "
         "mlflow.tracking_uri=sqlite:///mlflow.db\ndpformer_fig3_grid: --B 2 --L 4 --M 20 --repeats 1\n"
         "lm_jobs: 2\nlm_device: cpu\nlm_extra: dataset.posts=60 dataset.eval_posts=10 dataset.L=8 vocab.size=300 "
         "model.d=8 model.layers=1 model.heads=2 train.batch_size=20 train.epochs=1 train.validate_every=1 "

@@ -23,6 +23,10 @@ from pipeline.noisyhead import newsgroups
 ROOT = Path(__file__).resolve().parents[1]
 NEWSGROUPS = ("dataset=newsgroups", "regime=newsgroups", "privacy.eps=0.5")
 
+# one worker runs every case: the module fixture starts all the processes once (under pytest-xdist's
+# --dist loadgroup, cases spread over two workers each started all of them: the file's cost twice)
+pytestmark = pytest.mark.xdist_group("inputs")
+
 DPF = ("experiment=dpformer_ci", "dataset.n_users=60", "dataset.L=8", "seqrec.epochs=1")
 FILE = ("experiment=dpformer_ci", "dataset=movielens", "dataset.L=5", "seqrec.epochs=1", "seqrec.batch_size=8")
 SEQREC_FILES = {  # file name (made by _seqrec_files): the key its error line names

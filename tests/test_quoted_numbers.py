@@ -200,3 +200,24 @@ def test_the_cost_table_is_the_committed_benchmark():
         if V == 8000:  # the first row names the two ratios
             shown[0] = f"{cells[0][0]:.2f}x time, {cells[0][1]:.2f}x memory"
         assert f"| {V:,} | {' | '.join(shown)} |" in text(LM), V
+
+
+def test_the_whole_run_audit_table_is_the_committed_metrics():
+    """docs/lm.md's table of the DVC stage lm_audit_run: each row's correct guesses, bound, ceiling and
+    power are the committed metrics.json's (the verdict follows from them)."""
+    metrics = json.loads((ROOT / "artifacts/lm_audit_run/metrics.json").read_text())
+    page = (ROOT / "docs/lm.md").read_text()
+    section = page[page.index("### The DVC stage `lm_audit_run`"):]
+    rows = [line.split(" | ") for line in section.splitlines()
+            if line.startswith("| ") and line.count(" | ") == 10 and not line.startswith("| variant")]
+    assert len(rows) == metrics["runs"] == 8
+    for cells in rows:
+        variant, kind = cells[0].lstrip("| "), cells[1]
+        key = f"{variant}.{kind}."
+        assert cells[5] == f"{metrics[key + 'correct']} / {metrics[key + 'guesses']}", cells
+        assert cells[6] == f"{metrics[key + 'eps_lower']:.3f}", cells
+        assert cells[8] == f"{metrics[key + 'eps_ceiling']:.2f}" and cells[9] == f"{metrics[key + 'power']:.2f}", cells
+        bound, claim, power, ceiling = (float(cells[i]) for i in (6, 7, 9, 8))
+        verdict = cells[10].rstrip(" |")
+        assert (verdict == "violation") == (bound > claim) and (verdict.startswith("too weak") or bound > claim
+                                                                 or min(power, ceiling) > claim), cells

@@ -251,3 +251,12 @@ def test_the_cli_audits_the_language_models_run_as_mlflow_runs_and_refuses_befor
         proc = _audit_cli(bad, "experiment=lm_ci", override, folder="audit")
         assert proc.returncode == 2 and proc.stderr.count("error:") == 1 and key in proc.stderr, proc.stderr[-2000:]
         assert list(bad.iterdir()) == [], override  # no folder, no store
+
+
+@pytest.mark.slow
+def test_the_cost_benchmark_times_a_run_with_and_without_canaries():
+    from benchmarks import audit_cost
+
+    row = audit_cost.main(["--m", "200", "--repeats", "1"])
+    assert row["m"] == 200 and row["steps"] >= 1 and row["plain_s"] > 0 and row["audited_s"] > 0
+    assert row["ratio"] == pytest.approx(row["audited_s"] / row["plain_s"])
