@@ -18,13 +18,14 @@ noise_halved           noise std sigma C / 2                                    
 sampling_doubled       samples at 2 q, the accountant assumed q                    caught (power)
 accountant_tenth       the noise the accountant gives for a tenth of the steps     caught (power)
 no_noise               no noise at all                                             caught
-resume_reuses_noise    killed after half the epochs and resumed from a checkpoint  cannot
-                       whose noise generator is the run's first state: the second
-                       half replays the first half's noise
+resume_reuses_noise    stopped after half the epochs and resumed from a           cannot
+                       checkpoint whose noise generator is the run's first state:
+                       the epochs after the resume draw the first epochs' noise
 =====================  ==========================================================  ==============
 
 "caught (power)": the control raises every canary's signal-to-noise ratio, so the bound rises;
-whether it passes the claim depends on m and on the run (each row reports the power). A white-box
+whether it passes the claim depends on m and on the run (each row reports the power, and
+``audit.md`` whether the sum statistic can see the control at all). A white-box
 (Dirac) canary's score is its coordinate of the sum of the noisy sums over the run: a replayed
 noise draw is added twice, which *raises* that sum's variance, so no choice of m lets the sum
 statistic see a resume that reuses noise; a statistic that differences the replayed steps would
@@ -35,7 +36,8 @@ norm exactly C); only input-space canaries, whose gradients pass through the eng
 **Canaries** (``audit.<task>.variants``: ``<variant>`` or ``<variant>:input``): ``dirac`` (white-box, ``pipeline.canaries``: the
 strongest) or ``input`` (canary examples with unique random content, each included in the training
 data with probability 1/2, scored by minus their loss under the final model: what an attacker of
-the released model can do; expect a weak bound).
+the released model can do; expect a weak bound; distinct with overwhelming probability, not by
+construction).
 """
 
 from __future__ import annotations
@@ -73,12 +75,27 @@ def actual_plan(claimed, variant: str, *, eps: float, delta: float, accountant: 
     raise ValueError(f"unknown audit variant {variant!r}; known: {VARIANTS}")
 
 
-def sum_score_mu(plan, sigma: float) -> float:
+MU_MAX = 40.0  # a separation past any threshold the power's search uses: perfect separation
+
+
+def sum_score_mu(plan, sigma: float, excess_var: float = 0.0) -> float:
     """The separation, in standard deviations, of an included Dirac canary's sum score from an
-    excluded one's: mean q T (units of C), variance T sigma^2 plus the sampling's T q (1 - q)
-    (data gradients on the canary's coordinate neglected): q sqrt(T) / sqrt(sigma^2 + q (1 - q))."""
-    q = plan.sample_rate
-    return q * math.sqrt(plan.steps) / math.sqrt(sigma**2 + q * (1 - q))
+    excluded one's: mean q T (units of C), variance T sigma^2 from the noise, T q (1 - q) from the
+    sampling, and ``excess_var`` from the data's gradients on the canary's coordinate (0: neglected):
+    q T / sqrt(T sigma^2 + T q (1 - q) + excess_var); at most ``MU_MAX`` (no noise at q = 1)."""
+    q, T = plan.sample_rate, plan.steps
+    var = T * sigma**2 + T * q * (1 - q) + excess_var
+    return MU_MAX if var <= 0 else min(MU_MAX, q * T / math.sqrt(var))
+
+
+def excess_variance(scores: np.ndarray, included: np.ndarray, used) -> float:
+    """The variance of the excluded Dirac canaries' scores beyond the noise's T sigma^2: what the
+    data's gradients (and any replayed noise) add on the canaries' coordinates, read after scoring
+    (the power, not the bound, uses it)."""
+    out = np.asarray(scores, dtype=float)[~np.asarray(included, dtype=bool)]
+    if out.size < 2:
+        return 0.0
+    return max(0.0, float(np.var(out, ddof=1)) - used.steps * used.sigma**2)
 
 
 def alternative_sigma(claimed, eps_alt: float, delta: float, accountant: str) -> float:
@@ -95,32 +112,45 @@ def default_guesses(m: int) -> tuple[int, ...]:
     return tuple(sorted({max(1, m // 10), max(1, m // 2), m}))
 
 
-def score(scores: np.ndarray, included: np.ndarray, *, variant: str, canaries: str, claimed, used, eps: float,
-          delta: float, confidence: float = 0.95, guesses: tuple[int, ...] | None = None, power_factor: float = 2.0,
+UNSEEN = {"resume_reuses_noise": "the sum statistic cannot see replayed noise"}  # controls it cannot catch
+
+
+def score(scores: np.ndarray, included: np.ndarray, *, variant: str, canaries: str, claimed, used, n: int,
+          eps: float, delta: float, confidence: float = 0.95, guesses: tuple[int, ...] | None = None, power_factor: float = 2.0,
           accountant: str = "prv") -> dict:
     """One audited run's row: the binomial bound on eps (Steinke et al.), the largest Gaussian
     claim the f-DP test rejects (``gaussian_claim_rejected``: no bound on eps, since subsampled
-    DP-SGD's trade-off is not Gaussian), the ceiling for this m, the power and the verdict.
+    DP-SGD's trade-off is not Gaussian), the ceiling for this m, the power and the verdict; ``n``
+    is the number of examples the run trained on (input canaries included).
 
-    The power is the binomial bound the same statistic would reach, at expected counts, against
-    the same run calibrated to ``power_factor`` times the claim. For Dirac canaries it comes from
-    their sum score's separation (``sum_score_mu``). An input canary's loss has no such closed
-    form; its power is taken as that of a Dirac canary, an upper bound (a white-box canary is the
-    strongest), so an input audit's "too weak to say" is certain and its "consistent" optimistic."""
+    The power is the binomial bound the same statistic would reach, at expected counts, against the
+    same run calibrated to ``power_factor`` times the claim: for Dirac canaries from their sum
+    score's separation (``sum_score_mu``), with the variance the data's gradients added in this run
+    (``excess_variance``, read from the excluded canaries' scores after scoring). An input canary's
+    loss has no such model: its row gives the Dirac figure for reference, and its verdict is never
+    ``consistent`` (without a violation it is ``too weak to say``). A control the sum statistic
+    cannot catch (``UNSEEN``) says so in its verdict."""
     m = len(scores)
     guesses = guesses or default_guesses(m)
     binomial = auditing.one_run_bound(scores, included, delta=delta, confidence=confidence, guesses=guesses)
     fdp = auditing.one_run_bound(scores, included, delta=delta, confidence=confidence, guesses=guesses, bound="fdp")
-    mu_alt = sum_score_mu(claimed, alternative_sigma(claimed, power_factor * eps, delta, accountant))
+    excess = excess_variance(scores, included, used) if canaries == "dirac" else 0.0
+    mu_alt = sum_score_mu(claimed, alternative_sigma(claimed, power_factor * eps, delta, accountant), excess)
     power = auditing.one_run_power(m, delta=delta, confidence=confidence, guesses=guesses, mu=mu_alt)
+    verdict = auditing.one_run_verdict(binomial, eps, power)
+    if verdict == "consistent" and canaries == "input":
+        verdict = "too weak to say (input canaries: their power is not known)"
+    elif verdict == "consistent" and variant in UNSEEN:
+        verdict = f"consistent ({UNSEEN[variant]})"
     return {"variant": variant, "canaries": canaries, "claimed_eps": eps, "delta": delta,
             "sigma_claimed": claimed.sigma, "sigma_used": used.sigma, "sample_rate_used": used.sample_rate,
-            "steps": claimed.steps, "m": m, "included": int(np.sum(included)),
+            "steps": claimed.steps, "n": n,
+            "m": m, "included": int(np.sum(included)), "excess_var": excess,
             "mu_claimed": sum_score_mu(claimed, claimed.sigma), "mu_used": sum_score_mu(used, used.sigma),
             "eps_lower": binomial.eps_lower, "gaussian_claim_rejected": fdp.eps_lower,
             "correct": binomial.correct, "guesses": binomial.k_plus + binomial.k_minus,
             "k_plus": binomial.k_plus, "k_minus": binomial.k_minus, "eps_ceiling": binomial.eps_ceiling,
-            "power": power, "confidence": confidence, "verdict": auditing.one_run_verdict(binomial, eps, power)}
+            "power": power, "confidence": confidence, "verdict": verdict}
 
 
 def figure(scores: np.ndarray, included: np.ndarray, row: dict, path: Path) -> Path:

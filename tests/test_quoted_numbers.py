@@ -209,15 +209,15 @@ def test_the_whole_run_audit_table_is_the_committed_metrics():
     page = (ROOT / "docs/lm.md").read_text()
     section = page[page.index("### The DVC stage `lm_audit_run`"):]
     rows = [line.split(" | ") for line in section.splitlines()
-            if line.startswith("| ") and line.count(" | ") == 10 and not line.startswith("| variant")]
+            if line.startswith("| ") and line.count(" | ") == 12 and not line.startswith("| variant")]
     assert len(rows) == metrics["runs"] == 8
     for cells in rows:
         variant, kind = cells[0].lstrip("| "), cells[1]
         key = f"{variant}.{kind}."
-        assert cells[5] == f"{metrics[key + 'correct']} / {metrics[key + 'guesses']}", cells
-        assert cells[6] == f"{metrics[key + 'eps_lower']:.3f}", cells
-        assert cells[8] == f"{metrics[key + 'eps_ceiling']:.2f}" and cells[9] == f"{metrics[key + 'power']:.2f}", cells
-        bound, claim, power, ceiling = (float(cells[i]) for i in (6, 7, 9, 8))
-        verdict = cells[10].rstrip(" |")
+        assert cells[7] == f"{metrics[key + 'correct']} / {metrics[key + 'guesses']}", cells
+        assert cells[8] == f"{metrics[key + 'eps_lower']:.3f}", cells
+        assert cells[10] == f"{metrics[key + 'eps_ceiling']:.2f}" and cells[11] == f"{metrics[key + 'power']:.2f}", cells
+        bound, claim, power, ceiling = (float(cells[i]) for i in (8, 9, 11, 10))
+        verdict = cells[12].rstrip(" |")
         assert (verdict == "violation") == (bound > claim) and (verdict.startswith("too weak") or bound > claim
                                                                  or min(power, ceiling) > claim), cells

@@ -117,9 +117,25 @@ def test_an_audited_run_killed_and_resumed_scores_its_canaries_as_an_uninterrupt
     # the control's defect, by hand: epoch 2's checkpoint with the noise generator's first state
     state["noise"] = torch.Generator().manual_seed(streams.seed_of(3, "noise")).get_state()
     checkpoints.save(path, state)
-    model = build()
-    replayed = canaries(model)
-    train.run(model, rows, mask, pl, canaries=replayed, checkpoint=path, key=key, resume=True, **kw)
+    draws = []
+    real = train.add_noise
+
+    def recorded(model, sigma, C, generator):  # the state each step's noise is drawn from
+        draws.append(generator.get_state().clone())
+        real(model, sigma, C, generator)
+
+    train.add_noise = recorded
+    try:
+        model = build()
+        replayed = canaries(model)
+        train.run(model, rows, mask, pl, canaries=replayed, checkpoint=path, key=key, resume=True, **kw)
+        resumed_draws = draws[:]
+        draws.clear()
+        train.run(build(), rows, mask, pl, **kw)  # an uninterrupted run's first half
+    finally:
+        train.add_noise = real
+    half = pl.steps // 2
+    assert len(resumed_draws) == half and all(torch.equal(a, b) for a, b in zip(resumed_draws, draws[:half]))
     assert np.array_equal(replayed.sampled, whole.sampled) and not np.allclose(replayed.scores(), whole.scores())
     with pytest.raises(ValueError, match="cannot resume an audit of 60"):
         DiracCanaries(list(build().parameters()), m=60, C=1.0, sample_rate=0.1, seed=3).load_state(whole.state())
@@ -127,8 +143,8 @@ def test_an_audited_run_killed_and_resumed_scores_its_canaries_as_an_uninterrupt
 
 def test_an_excluded_input_canary_has_no_gradient_and_the_bits_do_not_move_the_sampling_rate():
     """An input canary left out keeps its row with an empty target mask: its loss and clipped
-    gradient are exactly 0 (the clipped sum is the one without it); the data set's size, and with it
-    q, is the same whatever the bits."""
+    gradient are exactly 0 (the clipped sum is the one without it). (That the run trains on n + m rows
+    whatever the bits, so that q does not move with them, is the next test's ``n``.)"""
     from pipeline.lm import engines
 
     build, rows, mask = _setup()
@@ -136,6 +152,8 @@ def test_an_excluded_input_canary_has_no_gradient_and_the_bits_do_not_move_the_s
     assert posts.shape == (20, 8) and not (posts == EOS).any() and 0 < included.sum() < 20
     again, bits = audit.input_canaries(20, L=7, V=40, eos_id=EOS, seed=0)
     assert torch.equal(again, posts) and np.array_equal(bits, included)
+    with pytest.raises(ValueError, match="V = 2 leaves too few"):
+        audit.input_canaries(5, L=7, V=2, eos_id=EOS, seed=0)
     model = build()
     empty = torch.zeros(3, 7, dtype=torch.bool)
     losses, norms = engines.make("phantom", model, 1.0).step((posts[:3], empty))
@@ -154,13 +172,20 @@ def test_the_controls_the_sum_statistic_cannot_see_are_said_and_an_input_audit_i
     replay = audit.run(build, rows, mask, variant="resume_reuses_noise", **kw)
     inputs = audit.run(build, rows, mask, variant="no_noise", canaries="input", V=40, eos_id=EOS, **kw)
     assert replay["verdict"] != "violation" and replay["mu_used"] == engine["mu_used"]
+    assert replay["excess_var"] > engine["excess_var"]  # the replayed draws add to the excluded canaries' spread
+    assert not replay["verdict"].startswith("consistent") or "cannot see replayed noise" in replay["verdict"]
     for row in (engine, replay, inputs):
         assert 0 <= row["eps_lower"] <= row["eps_ceiling"] and row["m"] == 200 and row["verdict"]
-    assert inputs["canaries"] == "input" and 0 < inputs["included"] < 200
+    assert inputs["canaries"] == "input" and 0 < inputs["included"] < 200 and inputs["n"] == 100 + 200
+    assert engine["n"] == 100 and not inputs["verdict"].startswith("consistent")
     with pytest.raises(ValueError, match="unknown canaries"):
         audit.run(build, rows, mask, variant="engine", canaries="text", **kw)
     assert audit.parse_variants(["engine", "no_noise:input", "noise_halved:dirac"]) == [
         ("engine", "dirac"), ("no_noise", "input"), ("noise_halved", "dirac")]
+    from pipeline.validation import ConfigError
+
+    with pytest.raises(ConfigError, match="named twice"):
+        audit.parse_variants(["engine", "engine:dirac"])
 
 
 def test_each_audit_is_an_mlflow_run_with_its_figure_and_scores(tmp_path, monkeypatch):
@@ -179,7 +204,7 @@ def test_each_audit_is_an_mlflow_run_with_its_figure_and_scores(tmp_path, monkey
 
     claimed = train.plan(n_posts=100, batch_size=10, epochs=5, eps=1.0, delta=1e-5, private=True, vocab_share=0.0)
     row = run_audit.score(scores, included, variant="engine", canaries="dirac", claimed=claimed, used=claimed,
-                          eps=1.0, delta=1e-5)
+                          n=100, eps=1.0, delta=1e-5)
     assert row["verdict"] == "violation" and row["eps_lower"] > 1.0  # scores of mu = 3 break eps = 1
     run_audit.record(row, scores, included, task="lm", out=tmp_path / "out", params={"model": "tiny"})
     runs = mlflow.search_runs(experiment_names=["audit-test"])

@@ -47,7 +47,10 @@ class _Killed(Exception):
 
 def input_canaries(m: int, *, L: int, V: int, eos_id: int, seed: int) -> tuple[torch.Tensor, np.ndarray]:
     """(m, L + 1) canary posts of uniformly drawn token ids other than end-of-text (their own
-    generator), and their inclusion bits (secret until scoring)."""
+    generator), and their inclusion bits (secret until scoring): distinct with overwhelming
+    probability ((V - 1)^(L + 1) possible posts), not by construction."""
+    if V < 3:
+        raise ValueError(f"input canaries draw from the vocabulary's ids other than end-of-text; V = {V} leaves too few")
     g = torch.Generator().manual_seed(seed + 104729)
     ids = torch.randint(0, V - 1, (m, L + 1), generator=g)
     ids = ids + (ids >= eos_id).long()  # every id but eos_id
@@ -125,7 +128,8 @@ def run(build_model: Callable[[], torch.nn.Module], rows: torch.Tensor, mask: to
             every_target = torch.ones(m, posts.shape[1] - 1, dtype=torch.bool)
             scores = -examples.example_losses(model, (posts, every_target)).double().numpy()
         bits = included
-    row = run_audit.score(scores, bits, variant=variant, canaries=canaries, claimed=claimed, used=used, eps=eps,
+    row = run_audit.score(scores, bits, variant=variant, canaries=canaries, claimed=claimed, used=used,
+                          n=int(rows.shape[0]), eps=eps,
                           delta=delta, confidence=confidence, guesses=guesses, power_factor=power_factor,
                           accountant=accountant)
     if out is not None:
@@ -146,6 +150,8 @@ def parse_variants(spec, key: str = "audit.lm.variants") -> list[tuple[str, str]
             raise ConfigError(f"{key}: {entry!r} is unknown; known: {list(VARIANTS)}, each optionally :input or :dirac")
         if kind not in run_audit.CANARIES:
             raise ConfigError(f"{key}: {entry!r} names canaries {kind!r}; known: {list(run_audit.CANARIES)}")
+        if (variant, kind) in out:
+            raise ConfigError(f"{key}: {entry!r} is named twice (each audit is one run, one MLflow run and one figure)")
         out.append((variant, kind))
     return out
 
@@ -175,10 +181,10 @@ def validate(cfg) -> tuple:
 def markdown(table, scale: str) -> str:
     """The audit's table: one row per audited run."""
     lines = [f"Whole-run audit (Steinke et al.'s one-run bound, {100 * table['confidence'].iloc[0]:.0f}% confidence), "
-             f"{scale}\n", "| variant | canaries | m | sigma used (claimed) | q used | correct / guesses | eps lower bound "
-             "| claim | ceiling | power | verdict |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+             f"{scale}\n", "| variant | canaries | m | examples | steps | sigma used (claimed) | q used | correct / guesses "
+             "| eps lower bound | claim | ceiling | power | verdict |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in table.itertuples():
-        lines.append(f"| {r.variant} | {r.canaries} | {r.m} | {r.sigma_used:.3f} ({r.sigma_claimed:.3f}) | "
+        lines.append(f"| {r.variant} | {r.canaries} | {r.m} | {r.n} | {r.steps} | {r.sigma_used:.3f} ({r.sigma_claimed:.3f}) | "
                      f"{r.sample_rate_used:.3g} | {r.correct} / {r.guesses} | {r.eps_lower:.3f} | {r.claimed_eps:g} | "
                      f"{r.eps_ceiling:.2f} | {r.power:.2f} | {r.verdict} |")
     return "\n".join(lines) + "\n"
@@ -198,19 +204,26 @@ def from_config(cfg):
     from pipeline import tracking
     from pipeline.lm import models
     from pipeline.lm.prepare import prepare
+    from pipeline.validation import ConfigError
 
     s, m, variants = validate(cfg)  # before anything is created or computed
     if s.threads:
         torch.set_num_threads(s.threads)
     prep = prepare(s, s.seed)
-    out = tracking.output_dir()
-    out.mkdir(parents=True, exist_ok=True)
-    tracking.setup(cfg)
 
     def build():
         torch.manual_seed(streams.seed_of(s.seed, "init"))
         return models.build(vocab_size=prep.V, max_len=s.L, d=s.d, layers=s.layers, heads=s.heads, tied=s.tied,
                             dropout=s.dropout, eos_id=prep.eos_id)
+
+    coordinates = sum(p.numel() for p in build().parameters() if p.requires_grad)
+    if any(kind == "dirac" for _, kind in variants) and m["dirac"] > coordinates:
+        raise ConfigError(f"audit.lm.m = {m['dirac']}: each white-box canary is one of the model's "
+                          f"{coordinates:,} trainable coordinates")
+    out = tracking.output_dir()
+    out.mkdir(parents=True, exist_ok=True)
+    shutil.rmtree(out / "runs", ignore_errors=True)  # a folder run into again holds this audit's figures only
+    tracking.setup(cfg)
 
     eps, delta = (1 - s.vocab_share) * s.eps, (1 - s.vocab_share) * s.delta
     params = {"model": f"gpt2 d{s.d} x{s.layers}", "tied": s.tied, "clipping": "phantom", "C": s.C, "lr": s.lr,
@@ -227,7 +240,7 @@ def from_config(cfg):
               f"power {r['power']:.2f})  {r['correct']}/{r['guesses']} right  {r['verdict']}", flush=True)
     table = pd.DataFrame(rows)
     scale = (f"GPT-2 d = {s.d}, {s.layers} layers, {'tied' if s.tied else 'untied'}, V = {prep.V}, L = {s.L}, "
-             f"{int(prep.rows.shape[0])} posts, B = {s.batch_size}, {rows[0]['steps']} steps, seed {s.seed}")
+             f"{int(prep.rows.shape[0])} posts (and the input canaries, where named), B = {s.batch_size}, seed {s.seed}")
     table.to_csv(out / "audit.csv", index=False)
     (out / "audit.md").write_text(markdown(table, scale))
     metrics = {f"{r['variant']}.{r['canaries']}.{k}": r[k] for r in rows  # strict JSON: a non-finite value left out

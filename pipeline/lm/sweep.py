@@ -17,7 +17,7 @@ the model's shape, ...) are kept apart, each such setting its own rows, selectio
   lies below 0 (tying hurts), else ``inconclusive``; fewer than 2 paired seeds: ``inconclusive``;
   eps = inf (no noise: the claim is about DP-SGD): ``no DP-SGD``, whatever the interval;
 - ``buckets.csv``: the same gain over the head, torso and tail tokens (``evaluate.BUCKETS``), its
-  ``sign`` (``positive``, ``negative`` or ``inconclusive`` by the interval): the claim that the tail
+  ``sign`` (``positive``, ``negative`` or ``inconclusive`` by the interval, at every eps): the claim that the tail
   gains most is read across the buckets, not from one;
 - ``grid.csv`` where the learning rate varies: per model and eps, the learning rate with the best
   mean validation perplexity;
@@ -104,9 +104,11 @@ def table(results: pd.DataFrame, picks: pd.DataFrame) -> pd.DataFrame:
     return long
 
 
-def _paired(results: pd.DataFrame, picks: pd.DataFrame, column: str, labels=("reproduced", "contradicted")) -> pd.DataFrame:
+def _paired(results: pd.DataFrame, picks: pd.DataFrame, column: str, labels=("reproduced", "contradicted"),
+            at_inf: str | None = "no DP-SGD") -> pd.DataFrame:
     """Per eps: g_s = 1 - column(tied, s) / column(untied, s), each at its selected learning rate;
-    ``labels`` name an interval above and below 0 (a finite eps; eps = inf is ``no DP-SGD``)."""
+    ``labels`` name an interval above and below 0, ``at_inf`` (if not None) replaces the label at
+    eps = inf (the verdict on a claim about DP-SGD does not apply without noise)."""
     from scipy import stats
 
     test = _models(results, "test").merge(picks[["setting", "model", "eps", "lr"]])
@@ -126,8 +128,8 @@ def _paired(results: pd.DataFrame, picks: pd.DataFrame, column: str, labels=("re
             half = float(stats.t.ppf(0.5 + LEVEL / 2, n - 1) * gain.std(ddof=1) / math.sqrt(n))
             low, high = mean - half, mean + half
         verdict = (labels[0] if n >= 2 and low > 0 else labels[1] if n >= 2 and high < 0 else "inconclusive")
-        if math.isinf(e):
-            verdict = "no DP-SGD"
+        if math.isinf(e) and at_inf is not None:
+            verdict = at_inf
         if n == 0:  # no seed ran both: no pair
             continue
         out.append({"setting": setting, "eps": e, "seeds": n, "gain_mean": mean, "ci_low": low, "ci_high": high,
@@ -143,7 +145,7 @@ def gains(results: pd.DataFrame, picks: pd.DataFrame) -> pd.DataFrame:
 
 
 def bucket_gains(results: pd.DataFrame, picks: pd.DataFrame) -> pd.DataFrame:
-    frames = [_paired(results, picks, f"perplexity_{b}", labels=("positive", "negative")).assign(bucket=b)
+    frames = [_paired(results, picks, f"perplexity_{b}", labels=("positive", "negative"), at_inf=None).assign(bucket=b)
               for b in BUCKETS]
     return pd.concat(frames, ignore_index=True).rename(columns={"verdict": "sign"})[
         ["setting", "bucket", "eps", "seeds", "gain_mean", "ci_low", "ci_high", "sign"]]
