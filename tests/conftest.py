@@ -13,14 +13,34 @@ ROOT = Path(__file__).resolve().parents[1]
 torch.set_num_threads(1)
 
 
+@pytest.hookimpl(trylast=True)
 def pytest_collection_modifyitems(config, items):
-    """Tests marked ``cuda`` run where torch sees a CUDA device and are skipped (counted) elsewhere."""
+    """Tests marked ``cuda`` run where torch sees a CUDA device and are skipped (counted) elsewhere.
+    Under ``--dist loadgroup``, tests marked ``xdist_group`` get the group as their id's suffix, as
+    pytest-xdist's own hook means to: with pytest 9 it sets ``item._nodeid``, which pytest no longer
+    reads (the id is ``item._id``), so no group was ever kept on one worker (SLURM's tests shared
+    their cluster concurrently, and a module fixture ran once per worker)."""
+    _xdist_groups(config, items)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason=f"needs CUDA: torch {torch.__version__} sees no CUDA device here")
     for item in items:
         if item.get_closest_marker("cuda") is not None:
             item.add_marker(skip)
+
+
+def _xdist_groups(config, items) -> None:
+    if not getattr(config.option, "loadgroup", False):
+        return
+    try:
+        from _pytest.nodeid import coerce_node_id  # pytest >= 9
+    except ImportError:  # pytest 8: pytest-xdist's hook works
+        return
+    for item in items:
+        names = sorted({str(m.args[0] if m.args else m.kwargs.get("name", "default"))
+                        for m in item.iter_markers("xdist_group")})
+        if names and "@" not in item.nodeid:
+            item._id = coerce_node_id(f"{item.nodeid}@{'_'.join(names)}")
 
 
 @pytest.fixture(autouse=True)

@@ -113,3 +113,34 @@ def test_dpformer_cells_are_named_by_what_tells_them_apart(cfg_for):
     assert cell.headline_metrics(rows, "dpformer", 10) == {"test_ndcg10": 0.2, "test_hit10": 0.4, "valid_ndcg10": 0.3}
     assert label("transformer", "none") == "transformer (non-private)" and label("gru", "phantom") == "gru"
     assert _eps_text(float("inf")) == "non-private" and _eps_text(8.0) == "ε = 8"
+
+
+def test_xdist_groups_reach_the_ids_the_scheduler_reads():
+    """A test marked ``xdist_group`` under ``--dist loadgroup`` carries the group in its node id
+    (what pytest-xdist's scheduler groups on); unmarked tests and other modes are left alone."""
+    from types import SimpleNamespace
+
+    import conftest
+
+    class Item:
+        def __init__(self, nodeid, group):
+            from _pytest.nodeid import coerce_node_id
+
+            self._id = coerce_node_id(nodeid)
+            self._group = group
+
+        @property
+        def nodeid(self):
+            return str(self._id)
+
+        def iter_markers(self, name):
+            return [SimpleNamespace(args=(self._group,), kwargs={})] if self._group and name == "xdist_group" else []
+
+    items = [Item("tests/test_a.py::test_x[1]", "inputs"), Item("tests/test_a.py::test_y", None)]
+    conftest._xdist_groups(SimpleNamespace(option=SimpleNamespace(loadgroup=True)), items)
+    assert [i.nodeid for i in items] == ["tests/test_a.py::test_x[1]@inputs", "tests/test_a.py::test_y"]
+    conftest._xdist_groups(SimpleNamespace(option=SimpleNamespace(loadgroup=True)), items)  # idempotent
+    assert items[0].nodeid == "tests/test_a.py::test_x[1]@inputs"
+    other = [Item("tests/test_a.py::test_x[1]", "inputs")]
+    conftest._xdist_groups(SimpleNamespace(option=SimpleNamespace(loadgroup=False)), other)
+    assert other[0].nodeid == "tests/test_a.py::test_x[1]"
