@@ -13,6 +13,11 @@ ROOT = Path(__file__).resolve().parents[1]
 torch.set_num_threads(1)
 
 
+# the suite's longest single tests (minutes each), started first so that they do not start last and
+# leave one worker running alone at the end (pytest-xdist schedules groups first, then in this order)
+LONGEST = ("tests/test_dvc.py::test_dvc_repro_builds_every_artifact_and_then_does_nothing",)
+
+
 @pytest.hookimpl(trylast=True)
 def pytest_collection_modifyitems(config, items):
     """Tests marked ``cuda`` run where torch sees a CUDA device and are skipped (counted) elsewhere.
@@ -21,6 +26,7 @@ def pytest_collection_modifyitems(config, items):
     reads (the id is ``item._id``), so no group was ever kept on one worker (SLURM's tests shared
     their cluster concurrently, and a module fixture ran once per worker)."""
     _xdist_groups(config, items)
+    items.sort(key=lambda item: not item.nodeid.startswith(LONGEST))  # stable: the rest keep their order
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason=f"needs CUDA: torch {torch.__version__} sees no CUDA device here")

@@ -144,7 +144,7 @@ def _stages(task: str) -> list[str]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("task", ["noisyhead", "dpformer", "lm"])
+@pytest.mark.parametrize("task", ["dpformer", "noisyhead", "lm"])  # longest first (tests/conftest.py starts these first)
 def test_dvc_repro_builds_every_artifact_and_then_does_nothing(tmp_path, task):
     repo = _copy(tmp_path)
     stages = _stages(task)
