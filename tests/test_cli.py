@@ -134,26 +134,16 @@ def test_a_terminated_run_is_marked_killed(run_cli):
     """SIGTERM in the middle of a cell ends its MLflow run as KILLED, not RUNNING."""
     import os
     import signal
-    import subprocess
     import sys
-    import time
-
-    from conftest import ROOT
 
     cmd = [sys.executable, "-m", "pipeline", f"mlflow.tracking_uri={run_cli.store}",
-           f"hydra.run.dir={run_cli.tmp / 'run'}", "regime=overparam", "trials=400"]
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.time() + 120
-    while time.time() < deadline and proc.poll() is None:  # wait until the cell is inside its run
-        time.sleep(0.5)
-        try:
-            found = runs(run_cli.store)[1]
-            if found and "data.seed" in found[0].data.params:
-                break
-        except Exception:  # the store is still being created
-            continue
+           f"hydra.run.dir={run_cli.tmp / 'run'}", *LONG["noisyhead"]]
+    # The helper creates the store first: this test used to poll a store the cell was still creating, and the
+    # two creations at once broke the cell before it started (CI, 2026-11-27: it had exited before the kill).
+    proc = _start_and_wait_inside_run(cmd, run_cli.store)
     os.kill(proc.pid, signal.SIGTERM)
-    assert proc.wait(timeout=60) == 143  # terminated, not interrupted (130)
+    out, err = communicate_or_kill(proc, 60)
+    assert proc.returncode == 143, err[-3000:]  # terminated, not interrupted (130)
     _, found = runs(run_cli.store)
     assert len(found) == 1 and found[0].info.status == "KILLED"
 
