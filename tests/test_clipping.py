@@ -261,17 +261,18 @@ def test_what_would_silently_shrink_a_norm_is_refused():
     """Found by review: each case gave norms below the truth with the self-check off."""
     x = torch.randn(4, 3)
 
-    class InPlace(nn.Module):  # the recorded output changed after the call
+    class InPlace(nn.Module):  # the recorded input changed after the call
         def __init__(self):
             super().__init__()
             self.a, self.b = nn.Linear(3, 3), nn.Linear(3, 1)
 
         def forward(self, x):
-            h = self.a(x)
+            h = torch.tanh(self.a(x))
+            out = self.b(h)
             h.mul_(10)
-            return self.b(h)
+            return out
 
-    with pytest.raises(Unsupported, match=r"the input or output of a was changed in place"):
+    with pytest.raises(Unsupported, match=r"the input of b was changed in place"):
         PhantomClipping(InPlace(), C=1.0, check="never").step(lambda m, b: m(b).squeeze(-1), x)
 
     model = nn.Sequential(nn.Linear(3, 3), nn.Tanh(), nn.Linear(3, 1))
@@ -290,6 +291,29 @@ def test_what_would_silently_shrink_a_norm_is_refused():
     for bad in ({"C": float("inf")}, {"C": 1.0, "rule": "automatic", "gamma": 0.0}):
         with pytest.raises(ValueError):
             PhantomClipping(nn.Linear(3, 1), **bad)
+
+
+def test_an_output_changed_in_place_after_its_layer_gives_the_brute_force_norms():
+    """The engine reads a layer's output gradient at the layer's own autograd edge, not at the output
+    tensor: an in-place activation or scaling of the output afterwards (which moves a tensor's
+    grad_fn) changes nothing, and the logits' memory is not held by the engine."""
+    class InPlace(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b, self.c = nn.Linear(3, 4), nn.Linear(4, 4), nn.Linear(4, 1)
+
+        def forward(self, x):
+            h = self.a(x)
+            h.mul_(10)
+            h = self.b(torch.relu_(h))
+            return self.c(torch.nn.functional.relu(h, inplace=True))
+
+    torch.manual_seed(3)
+    model, x = InPlace(), torch.randn(6, 3)
+    loss_fn = lambda m, b: m(b).squeeze(-1).pow(2)  # noqa: E731
+    _, grads = brute_force(model, loss_fn, x)
+    _, norms = PhantomClipping(model, C=1.0, check="never").per_example_norms(loss_fn, x)
+    torch.testing.assert_close(norms, norms_of(grads), rtol=1e-10, atol=1e-12)
 
 
 def test_half_precision_factors_are_summed_in_float32():

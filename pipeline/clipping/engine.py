@@ -34,6 +34,7 @@ from typing import Any, Callable
 
 import torch
 from torch import nn
+from torch.autograd.graph import get_gradient_edge
 
 from pipeline.clipping.layers import lookup
 from pipeline.clipping.uses import Use, inner
@@ -92,7 +93,7 @@ class PhantomClipping:
         self.params = {id(p): (name, p) for name, p in model.named_parameters(remove_duplicate=True) if p.requires_grad}
         self.layers = self._layers()
         self._names = {m: name for name, m in model.named_modules(remove_duplicate=True)}  # for messages
-        self._calls: list[tuple[nn.Module, torch.Tensor, torch.Tensor]] = []
+        self._calls: list[tuple] = []  # (layer, input, output's gradient edge, its (shape, dtype), input's version)
         self._active = False
         self._checked = False
         for module in self.layers:
@@ -136,9 +137,14 @@ class PhantomClipping:
         if not isinstance(output, torch.Tensor) or not output.requires_grad:
             return
         x = args[0] if args else next(iter(kwargs.values()))
-        # their version counters: an in-place change after the call (ReLU(inplace=True) on the output,
-        # out.mul_(10)) would make the recorded tensors other than the ones the gradient flowed through
-        self._calls.append((module, x.detach(), output, (x._version, output._version)))
+        # The output is kept as its gradient edge (the autograd node that made it), not as a tensor: the
+        # gradient is asked for at that edge, so the output's memory (a language model's logits, B x T x V)
+        # is freed as in a plain step, and an in-place change of the output after the call (ReLU(inplace=True),
+        # out.mul_(10)) does not move the gradient read: it is the one at the layer's output as made. The
+        # input's version counter: an in-place change of the input after the call would make the values
+        # read other than the ones the layer used.
+        self._calls.append((module, x.detach(), get_gradient_edge(output), (output.shape, output.dtype),
+                            x._version))
 
     # --- the two passes -----------------------------------------------------------------------
 
@@ -148,20 +154,20 @@ class PhantomClipping:
         if not calls:
             raise Unsupported("the loss depends on no layer of the model that holds a trainable parameter")
         names = self._names
-        for module, x, out, versions in calls:
-            if (x._version, out._version) != versions:
-                raise Unsupported(f"the input or output of {names.get(module, type(module).__name__)} was changed in "
-                                  "place after the call (an inplace activation, x.mul_(...)): the engine would read "
-                                  "other values than the gradient flowed through; make that operation out of place")
-        grads = torch.autograd.grad(losses.sum(), [out for _, _, out, _ in calls], retain_graph=keep_graph,
+        for module, x, _, _, version in calls:
+            if x._version != version:
+                raise Unsupported(f"the input of {names.get(module, type(module).__name__)} was changed in "
+                                  "place after the call (x.mul_(...)): the engine would read other values than the "
+                                  "layer used; make that operation out of place")
+        grads = torch.autograd.grad(losses.sum(), [edge for _, _, edge, _, _ in calls], retain_graph=keep_graph,
                                     allow_unused=True)
         n = losses.shape[0]
         uses: dict[int, list[Use]] = {}
-        for (module, x, out, _), g in zip(calls, grads):
-            g = torch.zeros_like(out) if g is None else g
-            if out.shape[0] != n:  # a batch of 1 broadcast over the examples: its gradient is their sum
+        for (module, x, _, (shape, dtype), _), g in zip(calls, grads):
+            g = torch.zeros(shape, dtype=dtype, device=x.device) if g is None else g
+            if shape[0] != n:  # a batch of 1 broadcast over the examples: its gradient is their sum
                 raise Unsupported(f"a call of {names.get(module, type(module).__name__)} has batch size "
-                                  f"{out.shape[0]}, the losses {n}: its output's gradient mixes the examples; give "
+                                  f"{shape[0]}, the losses {n}: its output's gradient mixes the examples; give "
                                   "every layer its inputs batch first, one row per example (Hugging Face models: "
                                   "pass position_ids of shape (n, T), not the (1, T) they default to)")
             given = lookup(module)(module, _wide(x), _wide(g.detach()), n)
@@ -220,6 +226,7 @@ class PhantomClipping:
         for _, p in self.params.values():
             p.grad = None
         if self.sum_by == "backward":
+            del uses  # the output gradients (the logits' among them, B x T x V) are not held through the second pass
             (c.to(losses.dtype) * losses).sum().backward()
         else:
             for pid, found in uses.items():
