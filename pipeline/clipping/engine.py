@@ -24,7 +24,11 @@ parameter held by a layer type without a registered function (``register`` one; 
 the examples (its output's gradient is their sum: Hugging Face's default (1, T) position ids), or a
 parameter that is also used outside its layers' calls (``F.linear(x, self.wte.weight)``). The last is caught by the self-check (``check="first"``,
 the default: on the first step; ``"always"``; ``"never"``): each parameter's per-example norms of
-the first three examples must equal those of one backward pass per example.
+the first three examples must equal those of one backward pass per example (on a forward pass
+of its own, from the step's random states: the same dropout masks, after the step's graph is
+freed). A layer's output gradient is read at the layer's autograd edge, not at its output tensor:
+the engine holds no output (a language model's logits) through the gradient pass, and an in-place
+change of an output after its layer (``ReLU(inplace=True)``) is exact.
 Batch-mixing layers (BatchNorm) have no per-example gradient and are refused.
 """
 
@@ -213,30 +217,42 @@ class PhantomClipping:
     def step(self, loss_fn: Callable[[nn.Module, Any], torch.Tensor], batch: Any):
         """(losses, norms), and every trainable parameter's ``.grad`` set to the clipped sum
         sum_i c_i g_i (replacing what was there)."""
-        losses = self._forward(loss_fn, batch)
         checking = self.check == "always" or (self.check == "first" and not self._checked)
-        uses = self._uses(losses, keep_graph=checking or self.sum_by == "backward")
+        rng = self._rng_states() if checking else None  # the self-check's forward pass draws the same dropout
+        losses = self._forward(loss_fn, batch)
+        uses = self._uses(losses, keep_graph=self.sum_by == "backward")
         n = losses.shape[0]
         per = self._sq_norms(uses, n)
         norms = self._total(per, losses)
-        if checking:
-            self._self_check(losses, per)
-            self._checked = True
         c = coefficients(norms, C=self.C, rule=self.rule, gamma=self.gamma).detach()
         for _, p in self.params.values():
             p.grad = None
+        if self.sum_by == "bookkeeping":
+            self._bookkeeping(uses, c)
+        # The output gradients (the logits', B x T x V, among them) are not held through the second backward
+        # pass or the self-check: a step's peak memory stays about that of a plain step's backward.
+        del uses
         if self.sum_by == "backward":
-            del uses  # the output gradients (the logits' among them, B x T x V) are not held through the second pass
             (c.to(losses.dtype) * losses).sum().backward()
-        else:
-            for pid, found in uses.items():
-                p = self.params[pid][1]
-                total = sum(use.weighted_sum(c) for use in found)
-                p.grad = total.reshape(p.shape).to(p.dtype)
+        if checking:
+            try:
+                self._self_check(loss_fn, batch, per, rng)
+            except Unsupported:
+                for _, p in self.params.values():  # no unchecked sum is left behind
+                    p.grad = None
+                raise
+            self._checked = True
         for _, p in self.params.values():  # a parameter the batch did not reach: a zero gradient
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
         return losses.detach(), norms
+
+    def _bookkeeping(self, uses: dict[int, list[Use]], c: torch.Tensor) -> None:
+        """``p.grad = sum_i c_i G_i`` from the recorded factors (a function of its own: no loop variable
+        keeps a use, and with it an output gradient, alive after it)."""
+        for pid, found in uses.items():
+            p = self.params[pid][1]
+            p.grad = sum(use.weighted_sum(c) for use in found).reshape(p.shape).to(p.dtype)
 
     def add_noise(self, multiplier: float, generator: torch.Generator | None = None) -> None:
         """The Gaussian mechanism on the clipped sum: N(0, (multiplier C)^2) added to every ``p.grad``.
@@ -267,15 +283,28 @@ class PhantomClipping:
                              f"{tuple(losses.shape) if isinstance(losses, torch.Tensor) else type(losses).__name__}")
         return losses
 
-    def _self_check(self, losses: torch.Tensor, per: dict[int, torch.Tensor]) -> None:
+    def _rng_states(self) -> tuple:
+        """The random states a forward pass draws from (the CPU's and each CUDA device's of the
+        model): the self-check's own forward pass is run from them, so its dropout masks are the step's."""
+        devices = sorted({p.device.index or 0 for _, p in self.params.values() if p.device.type == "cuda"})
+        return torch.get_rng_state(), {d: torch.cuda.get_rng_state(d) for d in devices}
+
+    def _self_check(self, loss_fn, batch, per: dict[int, torch.Tensor], rng: tuple) -> None:
         """Each parameter's per-example norms against a brute force, one backward pass per example,
         on the first ``CHECK_EXAMPLES`` examples: a use the engine did not record (a parameter used
-        outside its layers' calls) or a wrong layer function shows as a difference."""
+        outside its layers' calls) or a wrong layer function shows as a difference. The brute force
+        runs on a forward pass of its own (no hook records it), from the step's random states, after
+        the step's graph is freed: the check adds time to the first step, not memory."""
         names, params = zip(*self.params.values())
-        keep = self.sum_by == "backward"
-        for i in range(min(CHECK_EXAMPLES, losses.shape[0])):
-            truth = torch.autograd.grad(losses[i], params, retain_graph=True if keep or i + 1 < min(
-                CHECK_EXAMPLES, losses.shape[0]) else False, allow_unused=True)
+        cpu, cuda = rng
+        with torch.random.fork_rng(devices=list(cuda)):
+            torch.set_rng_state(cpu)
+            for d, state in cuda.items():
+                torch.cuda.set_rng_state(state, d)
+            losses = loss_fn(self.model, batch)
+        k = min(CHECK_EXAMPLES, losses.shape[0])
+        for i in range(k):
+            truth = torch.autograd.grad(losses[i], params, retain_graph=i + 1 < k, allow_unused=True)
             for name, p, want in zip(names, params, truth):
                 want_sq = 0.0 if want is None else float(want.double().pow(2).sum())
                 have_sq = float(per[id(p)][i]) if id(p) in per else 0.0
