@@ -221,3 +221,17 @@ def test_the_whole_run_audit_table_is_the_committed_metrics():
         verdict = cells[12].rstrip(" |")
         assert (verdict == "violation") == (bound > claim) and (verdict.startswith("too weak") or bound > claim
                                                                  or min(power, ceiling) > claim), cells
+
+
+def test_the_clipping_benchmark_table_is_its_json():
+    """docs/clipping.md's table of the shared engine's cost is the committed run's JSON, ratio by ratio."""
+    rows = json.loads((ROOT / "docs/clipping_benchmark.json").read_text())
+    page = (ROOT / "docs/clipping.md").read_text()
+    base = {(r["V"], r["B"]): r for r in rows if r["engine"] == "non-private"}
+    assert len(base) == 4
+    for (V, B), b in base.items():
+        cells = []
+        for engine in ("phantom", "phantom-backward", "opacus-hooks", "opacus-ghost"):
+            r = next(r for r in rows if (r["V"], r["B"], r["engine"]) == (V, B, engine))
+            cells.append(f"{r['seconds'] / b['seconds']:.2f}x / {r['peak_gib'] / b['peak_gib']:.2f}x")
+        assert f"| {V:,} | {B} | " + " | ".join(cells) + " |" in page, (V, B)
