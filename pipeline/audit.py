@@ -32,9 +32,9 @@ def scope(cfg: DictConfig, task) -> str | None:
         raise ConfigError(f"audit.scope = {wanted!r} is unknown; known: null (the task's own audit), 'run' "
                           "(a whole DP-SGD training in one run)")
     if wanted == "run" and getattr(task, "audit_scope", None) != "run":
-        raise ConfigError(f"audit.scope = 'run': task {task.name} has no whole-run audit yet (DPFormer's is issue 39); "
-                          "its own audit runs without audit.scope, and experiment=lm_ci audits the language model's "
-                          "whole training in one run")
+        raise ConfigError(f"audit.scope = 'run': task {task.name} has no whole-run audit; its own audit runs without "
+                          "audit.scope (experiment=lm_ci and experiment=dpformer_ci audit a whole DP-SGD training in "
+                          "one run)")
     return wanted
 
 

@@ -117,7 +117,7 @@ UNSEEN = {"resume_reuses_noise": "the sum statistic cannot see replayed noise"} 
 
 def score(scores: np.ndarray, included: np.ndarray, *, variant: str, canaries: str, claimed, used, n: int,
           eps: float, delta: float, confidence: float = 0.95, guesses: tuple[int, ...] | None = None, power_factor: float = 2.0,
-          accountant: str = "prv") -> dict:
+          accountant: str = "prv", unseen: str | None = None) -> dict:
     """One audited run's row: the binomial bound on eps (Steinke et al.), the largest Gaussian
     claim the f-DP test rejects (``gaussian_claim_rejected``: no bound on eps, since subsampled
     DP-SGD's trade-off is not Gaussian), the ceiling for this m, the power and the verdict; ``n``
@@ -129,7 +129,7 @@ def score(scores: np.ndarray, included: np.ndarray, *, variant: str, canaries: s
     (``excess_variance``, read from the excluded canaries' scores after scoring). An input canary's
     loss has no such model: its row gives the Dirac figure for reference, and its verdict is never
     ``consistent`` (without a violation it is ``too weak to say``). A control the sum statistic
-    cannot catch (``UNSEEN``) says so in its verdict."""
+    cannot catch (``UNSEEN``, or a task's own reason, ``unseen``) says so in its verdict."""
     m = len(scores)
     guesses = guesses or default_guesses(m)
     binomial = auditing.one_run_bound(scores, included, delta=delta, confidence=confidence, guesses=guesses)
@@ -140,8 +140,8 @@ def score(scores: np.ndarray, included: np.ndarray, *, variant: str, canaries: s
     verdict = auditing.one_run_verdict(binomial, eps, power)
     if verdict == "consistent" and canaries == "input":
         verdict = "too weak to say (input canaries: their power is not known)"
-    elif verdict == "consistent" and variant in UNSEEN:
-        verdict = f"consistent ({UNSEEN[variant]})"
+    elif verdict == "consistent" and (unseen or variant in UNSEEN):
+        verdict = f"consistent ({unseen or UNSEEN[variant]})"
     return {"variant": variant, "canaries": canaries, "claimed_eps": eps, "delta": delta,
             "sigma_claimed": claimed.sigma, "sigma_used": used.sigma, "sample_rate_used": used.sample_rate,
             "steps": claimed.steps, "n": n,
@@ -206,3 +206,45 @@ def record(row: dict, scores: np.ndarray, included: np.ndarray, *, task: str, ou
         pd.DataFrame({"score": scores, "included": included}).to_csv(table, index=False)
         tracking.log_artifacts(fig, table)
     return fig
+
+
+def markdown(table, scale: str) -> str:
+    """The audit's table: one row per audited run."""
+    lines = [f"Whole-run audit (Steinke et al.'s one-run bound, {100 * table['confidence'].iloc[0]:.0f}% confidence), "
+             f"{scale}\n", "| variant | canaries | m | examples | steps | sigma used (claimed) | q used | correct / guesses "
+             "| eps lower bound | claim | ceiling | power | verdict |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in table.itertuples():
+        lines.append(f"| {r.variant} | {r.canaries} | {r.m} | {r.n} | {r.steps} | {r.sigma_used:.3f} ({r.sigma_claimed:.3f}) | "
+                     f"{r.sample_rate_used:.3g} | {r.correct} / {r.guesses} | {r.eps_lower:.3f} | {r.claimed_eps:g} | "
+                     f"{r.eps_ceiling:.2f} | {r.power:.2f} | {r.verdict} |")
+    return "\n".join(lines) + "\n"
+
+
+def publish(rows: list[dict], out: Path, report_dir, *, scale: str, claimed_eps: float):
+    """``audit.csv``, ``audit.md`` and ``metrics.json`` (strict JSON: a non-finite value left out) of
+    every audited run in ``out`` (the audit's folder, beside each run's figure in ``out/runs``) and,
+    where ``report_dir`` is set, copied there with the figures (a DVC stage's artifacts); the table."""
+    import json
+    import shutil
+
+    import pandas as pd
+
+    table = pd.DataFrame(rows)
+    table.to_csv(out / "audit.csv", index=False)
+    (out / "audit.md").write_text(markdown(table, scale))
+    metrics = {f"{r['variant']}.{r['canaries']}.{k}": r[k] for r in rows
+               for k in ("eps_lower", "eps_ceiling", "power", "correct", "guesses") if math.isfinite(r[k])}
+    (out / "metrics.json").write_text(json.dumps(metrics | {"claimed_eps": claimed_eps, "runs": len(rows)}, indent=1) + "\n")
+    where = [out]
+    if report_dir:
+        report = Path(str(report_dir))
+        if report.resolve() != out.resolve():
+            report.mkdir(parents=True, exist_ok=True)
+            shutil.rmtree(report / "runs", ignore_errors=True)
+            shutil.copytree(out / "runs", report / "runs")
+            for name in ("audit.csv", "audit.md", "metrics.json"):
+                shutil.copy2(out / name, report / name)
+            where.append(report)
+    print(f"wrote audit.csv, audit.md and metrics.json to {' and '.join(map(str, where))}; one MLflow run per "
+          "variant (kind=audit, scope=run)", flush=True)
+    return table

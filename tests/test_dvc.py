@@ -46,6 +46,8 @@ def _copy(tmp_path) -> Path:
         f"amazon: {AMAZON}\ndpformer_synthetic_data: synthetic_longtail_tiny\ndpformer_amazon_data: amazon_games_tiny\n"
         "dpformer_jobs: 2\ndpformer_device: cpu\ndpformer_extra: seed=0 seqrec.epochs=1 seqrec.batch_size=128 model.d=8 model.d_ff=16 "
         "mlflow.tracking_uri=sqlite:///mlflow.db\ndpformer_fig3_grid: --B 2 --L 4 --M 20 --repeats 1\n"
+        "dpformer_audit_m: 200\ndpformer_audit_input_m: 20\ndpformer_audit_extra: seqrec.epochs=2 seqrec.batch_size=50 "
+        "model.d=8 model.d_ff=16 mlflow.tracking_uri=sqlite:///mlflow.db\n"
         "lm_jobs: 2\nlm_device: cpu\nlm_extra: dataset.posts=60 dataset.eval_posts=10 dataset.L=8 vocab.size=300 "
         "model.d=8 model.layers=1 model.heads=2 train.batch_size=20 train.epochs=1 train.validate_every=1 "
         "privacy.eps=1,inf seed=0,1 mlflow.tracking_uri=sqlite:///mlflow.db\n"
@@ -106,6 +108,11 @@ def _dpformer_artifacts(repo: Path) -> None:
     for control in ("dpformer:form-off:errors-adam", "dpformer:presence-public:form-off:blocks-2",
                     "dpformer:form-off:errors-adam:blocks-2"):  # without correction, errors and blocks do nothing:
         assert test.xs(control).equals(reference), control  # the same training, bit for bit
+    audit = pd.read_csv(repo / "artifacts/dpformer_audit_run/audit.csv")  # the whole-run audit: ten runs, three of input canaries
+    assert len(audit) == 10 and list(audit["canaries"]).count("input") == 3 and set(audit["m"]) == {200, 20}
+    assert (audit["eps_lower"] <= audit["eps_ceiling"]).all() and audit["verdict"].notna().all()
+    assert "| one_branch | dirac | 200 |" in (repo / "artifacts/dpformer_audit_run/audit.md").read_text()
+    assert len(list((repo / "artifacts/dpformer_audit_run/runs").glob("*.png"))) == 10
     distraction = repo / "artifacts/dpformer_distraction"  # the distraction measurement (pipeline/seqrec/distraction.py)
     assert "| paper | 8 |" in (distraction / "table.md").read_text()
     assert "paper.eps8.corrected.tail" in json.loads((distraction / "metrics.json").read_text())
@@ -209,6 +216,11 @@ LOADS = {  # what a stage's process imports: its entry points and the modules it
                      "pipeline.lm.audit", "pipeline.lm.config", "pipeline.lm.prepare", "pipeline.lm.train",
                      "pipeline.lm.models", "pipeline.lm.engines", "pipeline.run_audit", "pipeline.auditing",
                      "pipeline.canaries", "pipeline.clipping", "hydra_plugins.pipeline_sweeper.searchpath"],
+    "dpformer_audit_run": ["pipeline.audit", "pipeline.tasks", "pipeline.overrides", "pipeline.preflight",
+                           "pipeline.seqrec.task", "pipeline.seqrec.audit_run", "pipeline.seqrec.audit",
+                           "pipeline.seqrec.config", "pipeline.seqrec.data", "pipeline.seqrec.train",
+                           "pipeline.run_audit", "pipeline.auditing", "pipeline.canaries",
+                           "hydra_plugins.pipeline_sweeper.searchpath"],
     "lm_cost": ["benchmarks.lm_step", "pipeline.lm.engines", "pipeline.lm.models", "pipeline.lm.examples",
                 "pipeline.clipping", "pipeline.clipping.opacus", "pipeline.plot"],
 }

@@ -178,28 +178,13 @@ def validate(cfg) -> tuple:
     return s, m, variants
 
 
-def markdown(table, scale: str) -> str:
-    """The audit's table: one row per audited run."""
-    lines = [f"Whole-run audit (Steinke et al.'s one-run bound, {100 * table['confidence'].iloc[0]:.0f}% confidence), "
-             f"{scale}\n", "| variant | canaries | m | examples | steps | sigma used (claimed) | q used | correct / guesses "
-             "| eps lower bound | claim | ceiling | power | verdict |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    for r in table.itertuples():
-        lines.append(f"| {r.variant} | {r.canaries} | {r.m} | {r.n} | {r.steps} | {r.sigma_used:.3f} ({r.sigma_claimed:.3f}) | "
-                     f"{r.sample_rate_used:.3g} | {r.correct} / {r.guesses} | {r.eps_lower:.3f} | {r.claimed_eps:g} | "
-                     f"{r.eps_ceiling:.2f} | {r.power:.2f} | {r.verdict} |")
-    return "\n".join(lines) + "\n"
-
-
 def from_config(cfg):
     """``python -m pipeline.audit experiment=lm_*``: each variant a real training of the preset's
     model on its posts and vocabulary (``prepare``), audited against DP-SGD's share of the budget,
     each an MLflow run (kind=audit, scope=run) with its figure and scores; ``audit.csv``,
     ``audit.md`` and ``metrics.json`` hold every row (in the run's folder, and in ``report.dir``
     where set: a DVC stage's artifacts)."""
-    import json
     import shutil
-
-    import pandas as pd
 
     from pipeline import tracking
     from pipeline.lm import models
@@ -238,27 +223,9 @@ def from_config(cfg):
         r = rows[-1]
         print(f"{variant:19s} {kind:5s}: eps_lower {r['eps_lower']:.3f} (claim {eps:g}, ceiling {r['eps_ceiling']:.2f}, "
               f"power {r['power']:.2f})  {r['correct']}/{r['guesses']} right  {r['verdict']}", flush=True)
-    table = pd.DataFrame(rows)
     scale = (f"GPT-2 d = {s.d}, {s.layers} layers, {'tied' if s.tied else 'untied'}, V = {prep.V}, L = {s.L}, "
              f"{int(prep.rows.shape[0])} posts (and the input canaries, where named), B = {s.batch_size}, seed {s.seed}")
-    table.to_csv(out / "audit.csv", index=False)
-    (out / "audit.md").write_text(markdown(table, scale))
-    metrics = {f"{r['variant']}.{r['canaries']}.{k}": r[k] for r in rows  # strict JSON: a non-finite value left out
-               for k in ("eps_lower", "eps_ceiling", "power", "correct", "guesses") if math.isfinite(r[k])}
-    (out / "metrics.json").write_text(json.dumps(metrics | {"claimed_eps": eps, "runs": len(rows)}, indent=1) + "\n")
-    where = [out]
-    if cfg.get("report", {}).get("dir"):
-        report = Path(str(cfg.report.dir))
-        if report.resolve() != out.resolve():
-            report.mkdir(parents=True, exist_ok=True)
-            shutil.rmtree(report / "runs", ignore_errors=True)
-            shutil.copytree(out / "runs", report / "runs")
-            for name in ("audit.csv", "audit.md", "metrics.json"):
-                shutil.copy2(out / name, report / name)
-            where.append(report)
-    print(f"wrote audit.csv, audit.md and metrics.json to {' and '.join(map(str, where))}; one MLflow run per "
-          "variant (kind=audit, scope=run)", flush=True)
-    return table
+    return run_audit.publish(rows, out, cfg.get("report", {}).get("dir"), scale=scale, claimed_eps=eps)
 
 
 def main(argv: list[str] | None = None) -> list[dict]:

@@ -65,8 +65,9 @@ MAGIC = b"pipeline-checkpoint sha256 "  # then 64 hex digits and a newline, then
 
 
 def save(path: Path, *, key: dict, epoch: int, model, opt, sched, gen: torch.Generator, history,
-         accountant: dict) -> None:
-    """Write the checkpoint atomically (a kill during the write leaves the previous one)."""
+         accountant: dict, canaries: dict | None = None) -> None:
+    """Write the checkpoint atomically (a kill during the write leaves the previous one); an audited
+    run's canaries' state (``DiracCanaries.state``) with it."""
     device = gen.device
     state = {
         "key": key, "epoch": epoch, "model": model.state_dict(), "optimizer": opt.state_dict(),
@@ -74,6 +75,13 @@ def save(path: Path, *, key: dict, epoch: int, model, opt, sched, gen: torch.Gen
         "cuda_rng": torch.cuda.get_rng_state(device) if device.type == "cuda" else None,
         "history": asdict(history), "accountant": accountant,
     }
+    if canaries is not None:
+        state["canaries"] = canaries
+    write(path, state)
+
+
+def write(path: Path, state: dict) -> None:
+    """``state`` to ``path`` atomically, headed by its digest (``read`` checks it)."""
     buffer = io.BytesIO()
     torch.save(state, buffer)
     payload = buffer.getvalue()

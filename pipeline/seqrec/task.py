@@ -13,6 +13,7 @@ class SeqRec:
     name = "seqrec"
     devices = ("cpu", "cuda")
     audit_devices = ("cpu",)
+    audit_scope = "run"  # besides its one-step audit: a whole DP-SGD training in one run (pipeline/seqrec/audit_run.py)
 
     def validate(self, cfg: DictConfig) -> None:
         from pipeline.seqrec import config, tuning
@@ -38,6 +39,10 @@ class SeqRec:
         sweep.summarise(cfg, sweep_id, sweep_dir, cells, results, csv)
 
     def audit(self, cfg: DictConfig):
+        if (cfg.get("audit") or {}).get("scope") == "run":
+            from pipeline.seqrec import audit_run
+
+            return audit_run.from_config(cfg)
         from pipeline.seqrec import audit
 
         return audit.run(cfg)

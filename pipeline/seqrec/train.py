@@ -133,23 +133,35 @@ def plan(cfg, n_users: int) -> Plan:
 
 
 def noisy_gradient(engine, model, ids, targets, *, sigma: float, C: float, expected_batch: int,
-                   generator: torch.Generator | None):
+                   generator: torch.Generator | None, canaries=None):
     """One DP-SGD gradient (Eq. 3.1): (sum_i c_i g_i + sigma C N(0, I)) / B, left in ``p.grad``: the
     one place where DP-SGD's noise is added (drawn from ``generator`` on the parameters' device, in
     their dtype: float32 for every training run). Returns the per-user losses and norms (None for
-    the non-private engine)."""
+    the non-private engine). With ``canaries`` (``pipeline.canaries.DiracCanaries``: the whole-run
+    audit, ``pipeline/seqrec/audit_run.py``), the sampled included canaries join the clipped sum
+    before the noise, and the noisy sum is observed before the division by B."""
     if ids.shape[0]:
         losses, norms = engine.step(ids, targets)
     else:  # an empty Poisson sample: the noise alone
         model.zero_grad()
         losses, norms = (torch.zeros(0, device=ids.device) for _ in range(2))  # where the step's checks run
+    if canaries is not None:
+        for p in model.parameters():
+            if p.requires_grad and p.grad is None:
+                p.grad = torch.zeros_like(p)
+        canaries.add()
     for p in model.parameters():
         if not p.requires_grad:
             continue
         g = torch.zeros_like(p) if p.grad is None else p.grad
         if sigma > 0:
             g = g + sigma * C * torch.randn(p.shape, generator=generator, dtype=p.dtype, device=p.device)
-        p.grad = g / expected_batch
+        p.grad = g / expected_batch if canaries is None else g
+    if canaries is not None:
+        canaries.observe()
+        for p in model.parameters():
+            if p.requires_grad:
+                p.grad = p.grad / expected_batch
     return losses, norms
 
 
@@ -208,17 +220,24 @@ class History:
 
 def run(seqs, cfg, run_plan: Plan, on_epoch: Callable[[int, dict], None] | None = None,
         validate: Callable[[torch.nn.Module], dict] | None = None, device: torch.device | str = "cpu",
-        checkpoint: Path | None = None, resume: bool = False, digest: str = ""):
+        checkpoint: Path | None = None, resume: bool = False, digest: str = "",
+        canaries: Callable | None = None, engine: Callable | None = None):
     """Train the configured model on ``seqs.train``; return (model, History). The model, the
     training rows, the Poisson sampling and the noise live on ``device`` (one generator there, seeded
     as on the CPU: a CPU run's numbers do not depend on this argument). With ``checkpoint`` (a
     path), the state is saved there at the end of every epoch; with ``resume``, a checkpoint there
-    of the same config (``digest``) is continued from (``pipeline/seqrec/checkpoint.py``)."""
+    of the same config (``digest``) is continued from (``pipeline/seqrec/checkpoint.py``).
+
+    For the whole-run audit (``pipeline/seqrec/audit_run.py``): ``canaries(model)`` makes the run's
+    Dirac canaries (``pipeline.canaries.DiracCanaries``; the caller keeps what it made), which join
+    every step and are checkpointed with the run, and ``engine(model)`` replaces the configured
+    clipping engine (a negative control's test double)."""
     train = cfg.seqrec
     device = torch.device(device)
     torch.manual_seed(int(cfg.seed))
     model = build(cfg.model, seqs.n_items, seqs.L).to(device)
-    engine = clipping.make(cfg.clipping.name, model, cfg.clipping)
+    dirac = canaries(model) if canaries is not None else None
+    engine = clipping.make(cfg.clipping.name, model, cfg.clipping) if engine is None else engine(model)
     opt = torch.optim.Adam(model.parameters(), lr=float(train.lr), betas=ADAM_BETAS,
                            weight_decay=float(train.weight_decay))
     sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule(run_plan.steps, float(train.warmup)))
@@ -240,6 +259,10 @@ def run(seqs, cfg, run_plan: Plan, on_epoch: Callable[[int, dict], None] | None 
     state = checkpoints.load(checkpoint, key) if resume else None
     if state is not None:
         checkpoints.restore(state, model=model, opt=opt, sched=sched, gen=gen)
+        if dirac is not None:
+            if state.get("canaries") is None:
+                raise ValueError(f"{checkpoint} holds no canaries' state: an audited run resumes only its own checkpoint")
+            dirac.load_state(state["canaries"])
         history = History(**state["history"] | {"resumed_from": int(state["epoch"])})
         first = int(state["epoch"]) + 1
         log.info("resume: %s holds epoch %d of %d; continuing from epoch %d", checkpoint, state["epoch"],
@@ -263,7 +286,7 @@ def run(seqs, cfg, run_plan: Plan, on_epoch: Callable[[int, dict], None] | None 
             pick = (torch.rand(run_plan.n_users, generator=gen, device=device) < run_plan.sample_rate).nonzero().squeeze(1)
             batch = rows[pick]
             losses, norms = noisy_gradient(engine, model, batch[:, :-1], batch[:, 1:], sigma=run_plan.sigma, C=C,
-                                           expected_batch=run_plan.batch_size, generator=gen)
+                                           expected_batch=run_plan.batch_size, generator=gen, canaries=dirac)
             step_loss = losses.sum()
             if not finite_step(step_loss, model):
                 what = "loss" if not math.isfinite(float(step_loss)) else "gradient"
@@ -294,7 +317,8 @@ def run(seqs, cfg, run_plan: Plan, on_epoch: Callable[[int, dict], None] | None 
             accountant = {"accountant": str(train.accountant),  # its history: (sigma, q, steps) so far
                           "history": [[run_plan.sigma, run_plan.sample_rate, epoch * run_plan.steps_per_epoch]]}
             checkpoints.save(checkpoint, key=key, epoch=epoch, model=model, opt=opt, sched=sched, gen=gen,
-                             history=history, accountant=accountant)
+                             history=history, accountant=accountant,
+                             canaries=None if dirac is None else dirac.state())
         if on_epoch is not None:
             on_epoch(epoch, metrics)
     bar.close()
