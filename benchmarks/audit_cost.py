@@ -2,13 +2,15 @@
 at most 1.5x at m = 5,000 on the CI preset).
 
     python -m benchmarks.audit_cost                       # experiment=lm_ci, m = 5,000, 3 repeats
+    python -m benchmarks.audit_cost --experiment dpformer_ci   # DPFormer's CI preset
     python -m benchmarks.audit_cost --m 1000 --repeats 5 --overrides train.epochs=3
 
-Trains the preset's model on its posts (``pipeline.lm.prepare``) with DP-SGD as an audited run does
-(``pipeline.lm.train.run``, Phantom Clipping), once without canaries and once with m Dirac canaries
-(``pipeline.canaries``), alternately ``--repeats`` times in this process after one warm-up of each;
-prints the median seconds of each and their ratio. The data are prepared once, outside the timing
-(an audit prepares them once for all its runs).
+Trains the preset's model on its data with DP-SGD as an audited run does (the language model's
+``pipeline.lm.train.run`` with Phantom Clipping, or DPFormer's ``pipeline.seqrec.train.run`` with
+the preset's engine), once without canaries and once with m Dirac canaries (``pipeline.canaries``),
+alternately ``--repeats`` times in this process after one warm-up of each; prints the median
+seconds of each and their ratio. The data are prepared once, outside the timing (an audit prepares
+them once for all its runs).
 """
 
 from __future__ import annotations
@@ -32,12 +34,31 @@ def main(argv: list[str] | None = None) -> dict:
     import torch
     from hydra import compose, initialize_config_dir
 
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        cfg = compose("config", overrides=[f"experiment={args.experiment}", *args.overrides])
+    steps, batch, once = (_seqrec if cfg.get("task") == "seqrec" else _lm)(cfg)
+    once(0), once(args.m)  # warm-up
+    plain, audited = [], []
+    for _ in range(args.repeats):
+        plain.append(once(0))
+        audited.append(once(args.m))
+    row = {"experiment": args.experiment, "steps": steps, "m": args.m, "plain_s": statistics.median(plain),
+           "audited_s": statistics.median(audited), "threads": torch.get_num_threads()}
+    row["ratio"] = row["audited_s"] / row["plain_s"]
+    print(f"{args.experiment}: {steps} DP-SGD steps of {batch} examples (expected), {torch.get_num_threads()} "
+          f"thread(s): {row['plain_s']:.3f} s without canaries, {row['audited_s']:.3f} s with m = {args.m:,} "
+          f"white-box canaries: {row['ratio']:.2f}x (target: at most 1.5x); medians of {args.repeats}")
+    return row
+
+
+def _lm(cfg):
+    """The language model's audited training: (steps, expected batch, once(m) -> seconds)."""
+    import torch
+
     from pipeline.canaries import DiracCanaries
     from pipeline.lm import config, models, streams, train
     from pipeline.lm.prepare import prepare
 
-    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
-        cfg = compose("config", overrides=[f"experiment={args.experiment}", *args.overrides])
     s = config.validate(cfg)
     torch.set_num_threads(s.threads or torch.get_num_threads())
     prep = prepare(s, s.seed)
@@ -55,18 +76,31 @@ def main(argv: list[str] | None = None) -> dict:
                   seed=s.seed, canaries=canaries)
         return time.perf_counter() - start
 
-    once(0), once(args.m)  # warm-up
-    plain, audited = [], []
-    for _ in range(args.repeats):
-        plain.append(once(0))
-        audited.append(once(args.m))
-    row = {"experiment": args.experiment, "steps": pl.steps, "m": args.m, "plain_s": statistics.median(plain),
-           "audited_s": statistics.median(audited), "threads": torch.get_num_threads()}
-    row["ratio"] = row["audited_s"] / row["plain_s"]
-    print(f"{args.experiment}: {pl.steps} DP-SGD steps of {s.batch_size} posts (expected), {torch.get_num_threads()} "
-          f"thread(s): {row['plain_s']:.3f} s without canaries, {row['audited_s']:.3f} s with m = {args.m:,} "
-          f"white-box canaries: {row['ratio']:.2f}x (target: at most 1.5x); medians of {args.repeats}")
-    return row
+    return pl.steps, s.batch_size, once
+
+
+def _seqrec(cfg):
+    """DPFormer's audited training (``train.run`` with its canary factory, as ``audit_run`` calls it)."""
+    import torch
+
+    from pipeline.canaries import DiracCanaries
+    from pipeline.seqrec import config, data, train
+
+    config.validate(cfg)
+    if cfg.seqrec.get("threads"):
+        torch.set_num_threads(int(cfg.seqrec.threads))
+    seqs = data.load(cfg.dataset, int(cfg.dataset.L), int(cfg.seed))
+    pl = train.plan(cfg, seqs.n_users)
+
+    def once(m: int) -> float:
+        start = time.perf_counter()
+        canaries = (lambda model: DiracCanaries([p for p in model.parameters() if p.requires_grad], m=m,
+                                                C=float(cfg.clipping.C), sample_rate=pl.sample_rate,
+                                                seed=int(cfg.seed))) if m else None
+        train.run(seqs, cfg, pl, canaries=canaries)
+        return time.perf_counter() - start
+
+    return pl.steps, pl.batch_size, once
 
 
 if __name__ == "__main__":

@@ -279,9 +279,10 @@ def test_the_cli_audits_the_language_models_run_as_mlflow_runs_and_refuses_befor
 
 
 @pytest.mark.slow
-def test_the_cost_benchmark_times_a_run_with_and_without_canaries():
+@pytest.mark.parametrize("experiment", ["lm_ci", "dpformer_ci"])
+def test_the_cost_benchmark_times_a_run_with_and_without_canaries(experiment):
     from benchmarks import audit_cost
 
-    row = audit_cost.main(["--m", "200", "--repeats", "1"])
+    row = audit_cost.main(["--experiment", experiment, "--m", "200", "--repeats", "1"])
     assert row["m"] == 200 and row["steps"] >= 1 and row["plain_s"] > 0 and row["audited_s"] > 0
     assert row["ratio"] == pytest.approx(row["audited_s"] / row["plain_s"])
