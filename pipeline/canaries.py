@@ -38,7 +38,7 @@ class DiracCanaries:
         self._included = rng.random(m) < 0.5  # secret until reveal()
         offsets = np.cumsum([0] + sizes)
         which = np.searchsorted(offsets, flat, side="right") - 1
-        self.params, self.C, self.q, self.m = params, float(C), float(sample_rate), m
+        self.params, self.C, self.q, self.m, self.seed = params, float(C), float(sample_rate), m, int(seed)
         # per parameter holding canaries: (their flat indices in it, their canary numbers)
         self._by_param: dict[int, tuple[torch.Tensor, np.ndarray]] = {}
         for w in np.unique(which):
@@ -69,11 +69,14 @@ class DiracCanaries:
         """What a checkpoint keeps (``load_state`` restores it): the sums so far, the sampling
         counts and the canaries' generator; not the inclusion bits, which the seed redraws."""
         return {"sums": torch.from_numpy(self._sums.copy()), "sampled": torch.from_numpy(self.sampled.copy()),
-                "generator": self._gen.get_state()}  # tensors: a checkpoint is read with weights_only
+                "generator": self._gen.get_state(), "seed": torch.tensor(self.seed)}  # tensors: read with weights_only
 
     def load_state(self, state: dict) -> None:
         if tuple(state["sums"].shape) != self._sums.shape:
             raise ValueError(f"a checkpoint of {state['sums'].numel()} canaries cannot resume an audit of {self.m}")
+        if "seed" not in state or int(state["seed"]) != self.seed:  # other coordinates and other bits
+            raise ValueError(f"a checkpoint of canaries drawn with seed {int(state['seed']) if 'seed' in state else '?'} "
+                             f"cannot resume an audit whose canaries are drawn with seed {self.seed}")
         self._sums, self.sampled = state["sums"].numpy().copy(), state["sampled"].numpy().copy()
         self._gen.set_state(state["generator"])
 

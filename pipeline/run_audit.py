@@ -129,7 +129,8 @@ def score(scores: np.ndarray, included: np.ndarray, *, variant: str, canaries: s
     (``excess_variance``, read from the excluded canaries' scores after scoring). An input canary's
     loss has no such model: its row gives the Dirac figure for reference, and its verdict is never
     ``consistent`` (without a violation it is ``too weak to say``). A control the sum statistic
-    cannot catch (``UNSEEN``, or a task's own reason, ``unseen``) says so in its verdict."""
+    cannot catch (``UNSEEN``, or a task's own reason, ``unseen``) says so in its verdict, whatever
+    the power."""
     m = len(scores)
     guesses = guesses or default_guesses(m)
     binomial = auditing.one_run_bound(scores, included, delta=delta, confidence=confidence, guesses=guesses)
@@ -140,8 +141,8 @@ def score(scores: np.ndarray, included: np.ndarray, *, variant: str, canaries: s
     verdict = auditing.one_run_verdict(binomial, eps, power)
     if verdict == "consistent" and canaries == "input":
         verdict = "too weak to say (input canaries: their power is not known)"
-    elif verdict == "consistent" and (unseen or variant in UNSEEN):
-        verdict = f"consistent ({unseen or UNSEEN[variant]})"
+    elif (reason := unseen or UNSEEN.get(variant)) and verdict != "violation":  # said whatever the power
+        verdict = f"consistent ({reason})" if verdict == "consistent" else f"{verdict}; {reason}"
     return {"variant": variant, "canaries": canaries, "claimed_eps": eps, "delta": delta,
             "sigma_claimed": claimed.sigma, "sigma_used": used.sigma, "sample_rate_used": used.sample_rate,
             "steps": claimed.steps, "n": n,

@@ -309,11 +309,55 @@ def test_an_output_changed_in_place_after_its_layer_gives_the_brute_force_norms(
             return self.c(torch.nn.functional.relu(h, inplace=True))
 
     torch.manual_seed(3)
-    model, x = InPlace(), torch.randn(6, 3)
-    loss_fn = lambda m, b: m(b).squeeze(-1).pow(2)  # noqa: E731
-    _, grads = brute_force(model, loss_fn, x)
-    _, norms = PhantomClipping(model, C=1.0, check="never").per_example_norms(loss_fn, x)
-    torch.testing.assert_close(norms, norms_of(grads), rtol=1e-10, atol=1e-12)
+    model = InPlace()
+    # (n, T, d): nn.Linear's output is a view of its 2-D product, and an in-place change of it re-routes the
+    # gradient around the view's node (read wrongly, the norms came out below the truth with the check off)
+    for x in (torch.randn(6, 3), torch.randn(6, 4, 3)):
+        loss_fn = lambda m, b: m(b).reshape(b.shape[0], -1).pow(2).sum(1)  # noqa: E731
+        _, grads = brute_force(model, loss_fn, x)
+        _, norms = PhantomClipping(model, C=1.0, check="never").per_example_norms(loss_fn, x)
+        torch.testing.assert_close(norms, norms_of(grads), rtol=1e-10, atol=1e-12)
+
+
+def test_the_self_check_replays_the_steps_dropout_and_leaves_the_random_streams_as_they_were():
+    """The check's own forward pass draws the step's dropout masks (no false refusal on a model with
+    dropout), a checked step leaves torch's, Python's and NumPy's streams where an unchecked one does,
+    and a refused step leaves no gradient behind."""
+    import random
+
+    import numpy as np
+
+    def run(check):
+        torch.manual_seed(0)
+        random.seed(0)
+        np.random.seed(0)
+        model = nn.Sequential(nn.Linear(3, 8), nn.Dropout(0.5), nn.Tanh(), nn.Linear(8, 1))
+        x = torch.randn(6, 3)
+
+        def loss_fn(m, b):
+            random.random(), np.random.rand()  # a forward pass that draws from the global streams
+            return m(b).squeeze(-1).pow(2)
+
+        engine = PhantomClipping(model, C=1.0, check=check)
+        _, norms = engine.step(loss_fn, x)
+        return norms, torch.rand(1), random.random(), np.random.rand()
+
+    checked, unchecked = run("always"), run("never")
+    assert torch.equal(checked[0], unchecked[0]) and torch.equal(checked[1], unchecked[1])
+    assert checked[2:] == unchecked[2:]
+
+    class Outside(nn.Module):  # a weight used outside its layer's call: the check refuses, no sum is left
+        def __init__(self):
+            super().__init__()
+            self.a = nn.Linear(3, 3)
+
+        def forward(self, x):
+            return (self.a(x) + x @ self.a.weight).sum(-1)
+
+    model = Outside()
+    with pytest.raises(Unsupported):
+        PhantomClipping(model, C=1.0, check="always").step(lambda m, b: m(b).pow(2), torch.randn(4, 3))
+    assert all(p.grad is None for p in model.parameters())
 
 
 def test_half_precision_factors_are_summed_in_float32():

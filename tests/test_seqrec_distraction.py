@@ -64,11 +64,32 @@ def test_masses_sum_to_one_and_match_uniform_attention_in_closed_form():
     tail = ((kind == 0).double() * allowed).sum(1) / allowed.sum(1)
     assert got["b1_tail"] == pytest.approx(float(tail.mean()), abs=1e-6)
     assert got["b2_tail"] == pytest.approx(float(tail.mean()), abs=1e-6)
+    for name in distraction.BUCKETS:  # the chance level the measurement reports is uniform attention's
+        assert got[f"uniform_{name}"] == pytest.approx(got[f"b2_{name}"], abs=1e-6)
     relevant = torch.zeros_like(inputs, dtype=torch.bool)
     relevant[:, -2] = True
     got = distraction.masses(m, inputs, target, relevant, bucket, k=5, batch=7)
     expect = (allowed[:, -2] / allowed.sum(1)).mean()
     assert got["b2_relevant"] == pytest.approx(float(expect), abs=1e-6)
+    assert got["uniform_relevant"] == pytest.approx(float(expect), abs=1e-6)
+
+
+def test_the_summary_reads_each_mass_against_uniform_attention():
+    """The share of the way to chance: (mean - clean) / (uniform - clean), per mass."""
+    import pandas as pd
+
+    clean = {"variant": "clean", "noise": "none", "eps": float("inf"), "b2_tail": 0.30, "b2_relevant": 0.60,
+             "ndcg": 50.0, "uniform_tail": 0.20, "uniform_relevant": 0.10}
+    draws = [{"variant": v, "noise": "paper", "eps": 8.0, "b2_tail": t, "b2_relevant": r, "ndcg": 40.0}
+             for v, t, r in (("noisy", 0.25, 0.35), ("noisy", 0.25, 0.35), ("corrected", 0.18, 0.60),
+                             ("corrected", 0.18, 0.60))]
+    summ = distraction.summary(pd.DataFrame([clean, *draws]), blocks=2).set_index("variant")
+    assert summ.loc["noisy", "tail_to_uniform"] == pytest.approx(0.5)  # half way to chance
+    assert summ.loc["corrected", "tail_to_uniform"] == pytest.approx(1.2)  # past it
+    assert summ.loc["noisy", "relevant_to_uniform"] == pytest.approx(0.5)
+    assert summ.loc["corrected", "relevant_to_uniform"] == pytest.approx(0.0)
+    text = distraction.table(summ.reset_index(), 10)
+    assert "| paper | 8 | 0.3000 | 0.2000 | 0.2500 ± 0.0000 | 0.1800 ± 0.0000 | 0.50 / 1.20 | 0.6000 | 0.1000 |" in text
 
 
 def setting(seed, distraction, **seqrec):
@@ -138,7 +159,8 @@ def test_the_entry_point_logs_to_mlflow_and_writes_report_dir(tmp_path):
     for name in ("results.csv", "table.md", "distraction.png", "metrics.json"):
         assert (report / name).is_file(), name
     metrics = json.loads((report / "metrics.json").read_text())
-    assert {"paper.eps8.noisy.tail", "paper.eps8.corrected.ndcg", "adam.eps8.noisy.tail", "clean.ndcg"} <= set(metrics)
+    assert {"paper.eps8.noisy.tail", "paper.eps8.corrected.ndcg", "adam.eps8.noisy.tail", "clean.ndcg",
+            "uniform.tail", "paper.eps8.noisy.tail_to_uniform"} <= set(metrics)
     import mlflow
 
     client = mlflow.MlflowClient(tracking_uri=store)

@@ -136,7 +136,8 @@ def _paired(gain_by_eps):
 def test_gains_are_paired_over_seeds_with_a_t_interval_and_a_verdict():
     from scipy import stats
 
-    g = {5.0: [0.10, 0.12, 0.08, 0.10], 8.0: [-0.02, 0.01, 0.0, -0.01], 10.0: [-0.5, 0.6, 0.1, 0.3]}
+    g = {3.0: [0.15, 0.25, 0.2, 0.22], 5.0: [0.10, 0.12, 0.08, 0.10], 8.0: [-0.02, 0.01, 0.0, -0.01],
+         10.0: [-0.5, 0.6, 0.1, 0.3]}
     results = _paired(g)
     long = sweep.table(results[results["lr"] == 0.01], 10)  # the settings the table shows
     out = sweep.gains(results, long, 10, paper=0.2).set_index("eps")
@@ -147,10 +148,21 @@ def test_gains_are_paired_over_seeds_with_a_t_interval_and_a_verdict():
         assert out.loc[eps, "gain_mean"] == pytest.approx(gs.mean())
         assert out.loc[eps, "ci_low"] == pytest.approx(gs.mean() - half)
         assert out.loc[eps, "ci_high"] == pytest.approx(gs.mean() + half)
-    # above 0: reproduced; below the paper's +20% and not above 0: contradicted; else inconclusive
-    assert list(out["verdict"]) == ["reproduced", "contradicted", "inconclusive"]
+    # above 0 and reaching the paper's +20%: reproduced; above 0 and below it: smaller than claimed; below
+    # it and not above 0: contradicted; else inconclusive
+    assert list(out["verdict"]) == ["reproduced", "smaller than claimed", "contradicted", "inconclusive"]
     text = sweep.gains_markdown(out.reset_index(), 10)
-    assert "| dpformer | 5 | 4 | +10.0% | [+7.4%, +12.6%] | reproduced |" in text
+    assert "| dpformer | 5 | 4 | +10.0% | [+7.4%, +12.6%] | smaller than claimed |" in text
+
+
+def test_a_gain_that_excludes_both_zero_and_the_claim_is_smaller_than_claimed():
+    """The review's frame: +1.1% with interval [+0.75%, +1.52%] against the paper's +20% was labelled
+    "reproduced"; it is a gain, and it excludes the claimed size."""
+    g = [0.011 + d for d in (-0.0035, 0.0035, -0.0012, 0.0012, 0.0)]
+    results = _paired({5.0: g[:4]})
+    out = sweep.gains(results, sweep.table(results[results["lr"] == 0.01], 10), 10, paper=0.2)
+    assert 0 < out["ci_low"].iloc[0] < out["ci_high"].iloc[0] < 0.2
+    assert out["verdict"].tolist() == ["smaller than claimed"]
 
 
 def test_a_single_seed_gives_no_interval_and_no_verdict():

@@ -26,16 +26,19 @@ parameter that is also used outside its layers' calls (``F.linear(x, self.wte.we
 the default: on the first step; ``"always"``; ``"never"``): each parameter's per-example norms of
 the first three examples must equal those of one backward pass per example (on a forward pass
 of its own, from the step's random states: the same dropout masks, after the step's graph is
-freed). A layer's output gradient is read at the layer's autograd edge, not at its output tensor:
-the engine holds no output (a language model's logits) through the gradient pass, and an in-place
-change of an output after its layer (``ReLU(inplace=True)``) is exact.
+freed). A layer's output gradient is read at the layer's autograd edge (its base's, for an output
+that is a whole view of a product), not at its output tensor: the engine holds no output (a language
+model's logits) through the gradient pass, and an in-place change of an output after its layer
+(``ReLU(inplace=True)``) is exact; of a partial view, refused.
 Batch-mixing layers (BatchNorm) have no per-example gradient and are refused.
 """
 
 from __future__ import annotations
 
+import random
 from typing import Any, Callable
 
+import numpy as np
 import torch
 from torch import nn
 from torch.autograd.graph import get_gradient_edge
@@ -144,11 +147,21 @@ class PhantomClipping:
         # The output is kept as its gradient edge (the autograd node that made it), not as a tensor: the
         # gradient is asked for at that edge, so the output's memory (a language model's logits, B x T x V)
         # is freed as in a plain step, and an in-place change of the output after the call (ReLU(inplace=True),
-        # out.mul_(10)) does not move the gradient read: it is the one at the layer's output as made. The
-        # input's version counter: an in-place change of the input after the call would make the values
-        # read other than the ones the layer used.
-        self._calls.append((module, x.detach(), get_gradient_edge(output), (output.shape, output.dtype),
-                            x._version))
+        # out.mul_(10)) does not move the gradient read: it is the one at the layer's output as made. An
+        # output that is a view (nn.Linear and Conv1D on a (n, T, d) input return their 2-D product reshaped)
+        # is read at its base's edge: an in-place change of a view re-routes the gradient around the view's
+        # own node (autograd's CopySlices), to the base's. A partial view is held, with its version counter,
+        # and refused if changed in place. The input's version counter: an in-place change of the input after
+        # the call would make the values read other than the ones the layer used.
+        held, version = None, None
+        base = output._base if output._is_view() else None
+        if base is None:
+            edge = get_gradient_edge(output)
+        elif base.numel() == output.numel() and base.grad_fn is not None:
+            edge = get_gradient_edge(base)
+        else:
+            edge, held, version = output, output, output._version
+        self._calls.append((module, x.detach(), edge, (output.shape, output.dtype), (x._version, held, version)))
 
     # --- the two passes -----------------------------------------------------------------------
 
@@ -158,9 +171,10 @@ class PhantomClipping:
         if not calls:
             raise Unsupported("the loss depends on no layer of the model that holds a trainable parameter")
         names = self._names
-        for module, x, _, _, version in calls:
-            if x._version != version:
-                raise Unsupported(f"the input of {names.get(module, type(module).__name__)} was changed in "
+        for module, x, _, _, (version, held, held_version) in calls:
+            if x._version != version or (held is not None and held._version != held_version):
+                which = "input" if x._version != version else "output (a partial view)"
+                raise Unsupported(f"the {which} of {names.get(module, type(module).__name__)} was changed in "
                                   "place after the call (x.mul_(...)): the engine would read other values than the "
                                   "layer used; make that operation out of place")
         grads = torch.autograd.grad(losses.sum(), [edge for _, _, edge, _, _ in calls], retain_graph=keep_graph,
@@ -168,7 +182,7 @@ class PhantomClipping:
         n = losses.shape[0]
         uses: dict[int, list[Use]] = {}
         for (module, x, _, (shape, dtype), _), g in zip(calls, grads):
-            g = torch.zeros(shape, dtype=dtype, device=x.device) if g is None else g
+            g = torch.zeros(shape, dtype=dtype, device=x.device) if g is None else g.reshape(shape)
             if shape[0] != n:  # a batch of 1 broadcast over the examples: its gradient is their sum
                 raise Unsupported(f"a call of {names.get(module, type(module).__name__)} has batch size "
                                   f"{shape[0]}, the losses {n}: its output's gradient mixes the examples; give "
@@ -237,8 +251,8 @@ class PhantomClipping:
         if checking:
             try:
                 self._self_check(loss_fn, batch, per, rng)
-            except Unsupported:
-                for _, p in self.params.values():  # no unchecked sum is left behind
+            except BaseException:
+                for _, p in self.params.values():  # no unchecked sum is left behind (a refusal, an error, Ctrl-C)
                     p.grad = None
                 raise
             self._checked = True
@@ -285,9 +299,14 @@ class PhantomClipping:
 
     def _rng_states(self) -> tuple:
         """The random states a forward pass draws from (the CPU's and each CUDA device's of the
-        model): the self-check's own forward pass is run from them, so its dropout masks are the step's."""
+        model, Python's and NumPy's global ones): the self-check's own forward pass is run from them, so its
+        dropout masks are the step's, and they are put back after it (a checked step leaves the streams as an
+        unchecked one). A model that draws from a generator of its own, or whose forward changes its state,
+        gives the check another forward pass than the step's: use check="never" for it, after checking it
+        on a copy."""
         devices = sorted({p.device.index or 0 for _, p in self.params.values() if p.device.type == "cuda"})
-        return torch.get_rng_state(), {d: torch.cuda.get_rng_state(d) for d in devices}
+        return (torch.get_rng_state(), {d: torch.cuda.get_rng_state(d) for d in devices}, random.getstate(),
+                np.random.get_state())
 
     def _self_check(self, loss_fn, batch, per: dict[int, torch.Tensor], rng: tuple) -> None:
         """Each parameter's per-example norms against a brute force, one backward pass per example,
@@ -296,12 +315,19 @@ class PhantomClipping:
         runs on a forward pass of its own (no hook records it), from the step's random states, after
         the step's graph is freed: the check adds time to the first step, not memory."""
         names, params = zip(*self.params.values())
-        cpu, cuda = rng
+        cpu, cuda, py, npy = rng
+        after = random.getstate(), np.random.get_state()
         with torch.random.fork_rng(devices=list(cuda)):
             torch.set_rng_state(cpu)
             for d, state in cuda.items():
                 torch.cuda.set_rng_state(state, d)
-            losses = loss_fn(self.model, batch)
+            random.setstate(py)
+            np.random.set_state(npy)
+            try:
+                losses = loss_fn(self.model, batch)
+            finally:
+                random.setstate(after[0])
+                np.random.set_state(after[1])
         k = min(CHECK_EXAMPLES, losses.shape[0])
         for i in range(k):
             truth = torch.autograd.grad(losses[i], params, retain_graph=i + 1 < k, allow_unused=True)

@@ -183,6 +183,9 @@ def validate(cfg: DictConfig) -> tuple[dict, list[tuple[str, str]]]:
     validation.threads(cfg.compute.threads, "compute.threads")
     auditing.check_keys(cfg.audit)
     spec = (cfg.audit.get("seqrec") or {}).get("run") or {}
+    for key in spec:
+        if key not in ("m", "input_m", "variants"):
+            raise ConfigError(f"audit.seqrec.run.{key} is not a key of the whole-run audit; its keys: m, input_m, variants")
     m = {"dirac": validation.positive_int(spec.get("m", 1000), "audit.seqrec.run.m"),
          "input": validation.positive_int(spec.get("input_m", 1000), "audit.seqrec.run.input_m")}
     variants = parse_variants(spec.get("variants"))

@@ -80,12 +80,15 @@ def masses(model, inputs: torch.Tensor, target: torch.Tensor, relevant: torch.Te
            *, k: int, batch: int) -> dict:
     """Per block b (numbered from 1): ``b<b>_<bucket>`` the mean attention mass of the last query on
     positions holding items of the bucket, ``b<b>_relevant`` on the positions that drove the target
-    (NaN without them); and ``ndcg`` (NDCG@k, %) on these users."""
+    (NaN without them); ``uniform_<bucket>`` and ``uniform_relevant``, the same masses under uniform
+    attention over the positions the last query may attend to (its non-padding keys and itself: the
+    chance level every mass is read against); and ``ndcg`` (NDCG@k, %) on these users."""
     model.eval()
     device = next(model.parameters()).device
     n = inputs.shape[0]
     blocks = len(model.blocks)
-    sums = {f"b{b}_{name}": 0.0 for b in range(1, blocks + 1) for name in (*BUCKETS, "relevant")}
+    sums = {f"{b}_{name}": 0.0 for b in ("uniform", *(f"b{i}" for i in range(1, blocks + 1)))
+            for name in (*BUCKETS, "relevant")}
     with_relevant = 0
     for s in range(0, n, batch):
         ids = inputs[s:s + batch].to(device)
@@ -95,6 +98,13 @@ def masses(model, inputs: torch.Tensor, target: torch.Tensor, relevant: torch.Te
         rel = relevant[s:s + batch].to(device) if relevant is not None else None
         if rel is not None:
             with_relevant += int(rel.any(1).sum())
+        seen = ids != 0
+        seen[:, -1] = True  # the query sees itself (models.Transformer.inputs)
+        uniform = seen / seen.sum(1, keepdim=True)
+        for j, name in enumerate(BUCKETS):
+            sums[f"uniform_{name}"] += float((uniform * (kind == j)).sum())
+        if rel is not None:
+            sums["uniform_relevant"] += float((uniform * rel).sum())
         for b, rec in enumerate(record, 1):
             att = rec["att"][:, :, -1].mean(1)  # (n, T): last query, mean over heads
             for j, name in enumerate(BUCKETS):
@@ -151,7 +161,10 @@ def measure(model, seqs, cfg: DictConfig, generator: torch.Generator, bucket: to
 
 def summary(results: pd.DataFrame, blocks: int) -> pd.DataFrame:
     """Per (noise, eps, variant): mean and 95% t half-width over the draws of the last block's tail
-    and relevant masses and of NDCG@k; the clean model's values in every row for reference."""
+    and relevant masses and of NDCG@k; the clean model's values in every row for reference; each
+    mass's uniform-attention level (``<mass>_uniform``) and the share of the way from the clean
+    model's mass to it that the row's mean moved (``<mass>_to_uniform``: 0 none, 1 all the way to
+    chance, above 1 past it)."""
     from scipy import stats
 
     clean = results[results.variant == "clean"].iloc[0]
@@ -164,6 +177,11 @@ def summary(results: pd.DataFrame, blocks: int) -> pd.DataFrame:
             x = group[col].to_numpy(dtype=float)
             half = stats.t.ppf(0.975, len(x) - 1) * x.std(ddof=1) / np.sqrt(len(x)) if len(x) > 1 else math.nan
             row |= {name: x.mean(), f"{name}_ci": half, f"{name}_clean": float(clean[col])}
+            if name != "ndcg":  # chance, and the share of the way from the clean model's mass to it
+                level = float(clean[f"uniform_{name}"])
+                gap = level - float(clean[col])
+                row |= {f"{name}_uniform": level,
+                        f"{name}_to_uniform": (x.mean() - float(clean[col])) / gap if gap else math.nan}
         out.append(row)
     out = pd.DataFrame(out)
     order = {noise: i for i, noise in enumerate(dict.fromkeys(out["noise"]))}
@@ -172,19 +190,26 @@ def summary(results: pd.DataFrame, blocks: int) -> pd.DataFrame:
 
 
 def table(summ: pd.DataFrame, k: int) -> str:
-    """Markdown: per noise and eps, the last block's tail mass and NDCG@k, noisy and corrected, with
-    the clean model's beside them."""
+    """Markdown: per noise and eps, the last block's tail and relevant masses and NDCG@k, noisy and
+    corrected, with the clean model's and each mass's uniform-attention level beside them, and the
+    share of the way from clean to uniform that noise and the correction moved it."""
     def cell(row, name, digits):
         ci = row[f"{name}_ci"]
         return f"{row[name]:.{digits}f} ± {ci:.{digits}f}" if ci == ci else f"{row[name]:.{digits}f}"
 
-    lines = [f"| noise | eps | tail mass, clean | noisy | corrected | relevant mass, clean | noisy | corrected "
-             f"| NDCG@{k}, clean | noisy | corrected |", "|" + " --- |" * 11]
+    def share(noisy, corr, name):
+        return f"{noisy[f'{name}_to_uniform']:.2f} / {corr[f'{name}_to_uniform']:.2f}"
+
+    lines = [f"| noise | eps | tail mass, clean | uniform | noisy | corrected | way to uniform, noisy / corrected "
+             f"| relevant mass, clean | uniform | noisy | corrected | way to uniform, noisy / corrected "
+             f"| NDCG@{k}, clean | noisy | corrected |", "|" + " --- |" * 15]
     for (noise, eps), group in summ.groupby(["noise", "eps"], sort=False):
         by = {r.variant: r for r in group.itertuples(index=False)}
         noisy, corr = by["noisy"]._asdict(), by["corrected"]._asdict()
-        lines.append(f"| {noise} | {eps:g} | {noisy['tail_clean']:.4f} | {cell(noisy, 'tail', 4)} | {cell(corr, 'tail', 4)} "
-                     f"| {noisy['relevant_clean']:.4f} | {cell(noisy, 'relevant', 4)} | {cell(corr, 'relevant', 4)} "
+        lines.append(f"| {noise} | {eps:g} | {noisy['tail_clean']:.4f} | {noisy['tail_uniform']:.4f} "
+                     f"| {cell(noisy, 'tail', 4)} | {cell(corr, 'tail', 4)} | {share(noisy, corr, 'tail')} "
+                     f"| {noisy['relevant_clean']:.4f} | {noisy['relevant_uniform']:.4f} | {cell(noisy, 'relevant', 4)} "
+                     f"| {cell(corr, 'relevant', 4)} | {share(noisy, corr, 'relevant')} "
                      f"| {noisy['ndcg_clean']:.3f} | {cell(noisy, 'ndcg', 3)} | {cell(corr, 'ndcg', 3)} |")
     return "\n".join(lines) + "\n"
 
@@ -238,10 +263,12 @@ def run(cfg: DictConfig) -> Path:
         fig = plot.distraction(summ, out / "distraction.png", k=k)
         tracking.log_artifacts(csv, md, fig)
         metrics = {f"{r.noise}.eps{r.eps:g}.{r.variant}.{m}": float(getattr(r, m))
-                   for r in summ.itertuples(index=False) for m in ("tail", "relevant", "ndcg")}
+                   for r in summ.itertuples(index=False)
+                   for m in ("tail", "relevant", "ndcg", "tail_to_uniform", "relevant_to_uniform")}
         clean = results[results.variant == "clean"].iloc[0]
         metrics |= {"clean.ndcg": float(clean.ndcg), "clean.tail": float(clean[f"b{blocks}_tail"]),
-                    "clean.relevant": float(clean[f"b{blocks}_relevant"])}
+                    "clean.relevant": float(clean[f"b{blocks}_relevant"]), "uniform.tail": float(clean.uniform_tail),
+                    "uniform.relevant": float(clean.uniform_relevant)}
         metrics = {key: value for key, value in metrics.items() if value == value}  # JSON has no NaN
         sweep.publish(cfg, [csv, md, fig], metrics)
         tracking.log_metrics("cell", {"seconds": time.perf_counter() - start})
