@@ -139,6 +139,10 @@ def test_an_audited_run_killed_and_resumed_scores_its_canaries_as_an_uninterrupt
     assert np.array_equal(replayed.sampled, whole.sampled) and not np.allclose(replayed.scores(), whole.scores())
     with pytest.raises(ValueError, match="cannot resume an audit of 60"):
         DiracCanaries(list(build().parameters()), m=60, C=1.0, sample_rate=0.1, seed=3).load_state(whole.state())
+    with pytest.raises(ValueError, match="drawn with seed 3 cannot resume an audit whose canaries are drawn with seed 4"):
+        DiracCanaries(list(build().parameters()), m=50, C=1.0, sample_rate=0.1, seed=4).load_state(whole.state())
+    with pytest.raises(ValueError, match="a plain run does not resume it"):  # the audited checkpoint, in a plain run
+        train.run(build(), rows, mask, pl, checkpoint=path, key=key, resume=True, **kw)
 
 
 def test_an_excluded_input_canary_has_no_gradient_and_the_bits_do_not_move_the_sampling_rate():

@@ -132,6 +132,8 @@ def run(model, rows: torch.Tensor, mask: torch.Tensor, run_plan: Plan, *, engine
             if state.get("canaries") is None:
                 raise ValueError(f"{checkpoint} holds no canaries' state: an audited run resumes only its own checkpoint")
             canaries.load_state(state["canaries"])
+        elif state.get("canaries") is not None:  # its sums held canaries: no model of a plain run
+            raise ValueError(f"{checkpoint} is an audited run's (its sums held canaries): a plain run does not resume it")
         history = History(**state["history"])
         first = int(state["epoch"]) + 1
         log.info("resume: %s holds epoch %d of %d; continuing from epoch %d", checkpoint, first - 1, epochs, first)
