@@ -249,3 +249,49 @@ def publish(rows: list[dict], out: Path, report_dir, *, scale: str, claimed_eps:
     print(f"wrote audit.csv, audit.md and metrics.json to {' and '.join(map(str, where))}; one MLflow run per "
           "variant (kind=audit, scope=run)", flush=True)
     return table
+
+
+def parse_variants(spec, key: str, variants: tuple[str, ...] = VARIANTS) -> list[tuple[str, str]]:
+    """``[engine, no_noise, engine:input]`` -> [(variant, canaries)]: a variant name of ``variants``,
+    optionally followed by ``:input`` (input-space canaries) or ``:dirac`` (the default); ``key``
+    names the setting in refusals."""
+    from pipeline.validation import ConfigError
+
+    out = []
+    for entry in list(spec or ["engine"]):
+        variant, _, kind = str(entry).partition(":")
+        kind = kind or "dirac"
+        if variant not in variants:
+            raise ConfigError(f"{key}: {entry!r} is unknown; known: {list(variants)}, each optionally :input or :dirac")
+        if kind not in CANARIES:
+            raise ConfigError(f"{key}: {entry!r} names canaries {kind!r}; known: {list(CANARIES)}")
+        if (variant, kind) in out:
+            raise ConfigError(f"{key}: {entry!r} is named twice (each audit is one run, one MLflow run and one figure)")
+        out.append((variant, kind))
+    return out
+
+
+def start(cfg, variants: list[tuple[str, str]], m_dirac: int, coordinates: int, key: str) -> Path:
+    """The audit's folder (Hydra's run folder, emptied of an earlier audit's figures) and its MLflow
+    store, once the last refusal is passed: m white-box canaries need m of the model's ``coordinates``."""
+    import shutil
+
+    from pipeline import tracking
+    from pipeline.validation import ConfigError
+
+    if any(kind == "dirac" for _, kind in variants) and m_dirac > coordinates:
+        raise ConfigError(f"{key} = {m_dirac}: each white-box canary is one of the model's {coordinates:,} "
+                          "trainable coordinates")
+    out = tracking.output_dir()
+    out.mkdir(parents=True, exist_ok=True)
+    shutil.rmtree(out / "runs", ignore_errors=True)  # a folder run into again holds this audit's figures only
+    tracking.setup(cfg)
+    return out
+
+
+def line(row: dict) -> str:
+    """One audited run, as the audit prints it."""
+    return (f"{row['variant']:19s} {row['canaries']:5s}: eps_lower {row['eps_lower']:.3f} (claim {row['claimed_eps']:g}, "
+            f"ceiling {row['eps_ceiling']:.2f}, power {row['power']:.2f})  {row['correct']}/{row['guesses']} right  "
+            f"{row['verdict']}")
+

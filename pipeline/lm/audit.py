@@ -138,22 +138,8 @@ def run(build_model: Callable[[], torch.nn.Module], rows: torch.Tensor, mask: to
 
 
 def parse_variants(spec, key: str = "audit.lm.variants") -> list[tuple[str, str]]:
-    """``[engine, no_noise, engine:input]`` -> [(variant, canaries)]: a variant name, optionally
-    followed by ``:input`` (input-space canaries) or ``:dirac`` (the default)."""
-    from pipeline.validation import ConfigError
-
-    out = []
-    for entry in list(spec or ["engine"]):
-        variant, _, kind = str(entry).partition(":")
-        kind = kind or "dirac"
-        if variant not in VARIANTS:
-            raise ConfigError(f"{key}: {entry!r} is unknown; known: {list(VARIANTS)}, each optionally :input or :dirac")
-        if kind not in run_audit.CANARIES:
-            raise ConfigError(f"{key}: {entry!r} names canaries {kind!r}; known: {list(run_audit.CANARIES)}")
-        if (variant, kind) in out:
-            raise ConfigError(f"{key}: {entry!r} is named twice (each audit is one run, one MLflow run and one figure)")
-        out.append((variant, kind))
-    return out
+    """``[engine, no_noise, engine:input]`` -> [(variant, canaries)] (``run_audit.parse_variants``)."""
+    return run_audit.parse_variants(spec, key, VARIANTS)
 
 
 def validate(cfg) -> tuple:
@@ -184,12 +170,8 @@ def from_config(cfg):
     each an MLflow run (kind=audit, scope=run) with its figure and scores; ``audit.csv``,
     ``audit.md`` and ``metrics.json`` hold every row (in the run's folder, and in ``report.dir``
     where set: a DVC stage's artifacts)."""
-    import shutil
-
-    from pipeline import tracking
     from pipeline.lm import models
     from pipeline.lm.prepare import prepare
-    from pipeline.validation import ConfigError
 
     s, m, variants = validate(cfg)  # before anything is created or computed
     if s.threads:
@@ -202,13 +184,7 @@ def from_config(cfg):
                             dropout=s.dropout, eos_id=prep.eos_id)
 
     coordinates = sum(p.numel() for p in build().parameters() if p.requires_grad)
-    if any(kind == "dirac" for _, kind in variants) and m["dirac"] > coordinates:
-        raise ConfigError(f"audit.lm.m = {m['dirac']}: each white-box canary is one of the model's "
-                          f"{coordinates:,} trainable coordinates")
-    out = tracking.output_dir()
-    out.mkdir(parents=True, exist_ok=True)
-    shutil.rmtree(out / "runs", ignore_errors=True)  # a folder run into again holds this audit's figures only
-    tracking.setup(cfg)
+    out = run_audit.start(cfg, variants, m["dirac"], coordinates, "audit.lm.m")
 
     eps, delta = (1 - s.vocab_share) * s.eps, (1 - s.vocab_share) * s.delta
     params = {"model": f"gpt2 d{s.d} x{s.layers}", "tied": s.tied, "clipping": "phantom", "C": s.C, "lr": s.lr,
@@ -220,9 +196,7 @@ def from_config(cfg):
                         epochs=s.epochs, C=s.C, lr=s.lr, m=m[kind], seed=s.seed, canaries=kind,
                         confidence=float(cfg.audit.confidence), power_factor=float(cfg.audit.power_factor),
                         accountant=s.accountant, V=prep.V, eos_id=prep.eos_id, out=out / "runs", params=params))
-        r = rows[-1]
-        print(f"{variant:19s} {kind:5s}: eps_lower {r['eps_lower']:.3f} (claim {eps:g}, ceiling {r['eps_ceiling']:.2f}, "
-              f"power {r['power']:.2f})  {r['correct']}/{r['guesses']} right  {r['verdict']}", flush=True)
+        print(run_audit.line(rows[-1]), flush=True)
     scale = (f"GPT-2 d = {s.d}, {s.layers} layers, {'tied' if s.tied else 'untied'}, V = {prep.V}, L = {s.L}, "
              f"{int(prep.rows.shape[0])} posts (and the input canaries, where named), B = {s.batch_size}, seed {s.seed}")
     return run_audit.publish(rows, out, cfg.get("report", {}).get("dir"), scale=scale, claimed_eps=eps)

@@ -154,22 +154,8 @@ def run(seqs, cfg: DictConfig, *, variant: str, canaries: str = "dirac", m: int 
 
 
 def parse_variants(spec, key: str = "audit.seqrec.run.variants") -> list[tuple[str, str]]:
-    """``[engine, no_noise, one_branch:input]`` -> [(variant, canaries)]: a variant name, optionally
-    followed by ``:input`` (input-space canaries) or ``:dirac`` (the default)."""
-    from pipeline.validation import ConfigError
-
-    out = []
-    for entry in list(spec or ["engine"]):
-        variant, _, kind = str(entry).partition(":")
-        kind = kind or "dirac"
-        if variant not in VARIANTS:
-            raise ConfigError(f"{key}: {entry!r} is unknown; known: {list(VARIANTS)}, each optionally :input or :dirac")
-        if kind not in run_audit.CANARIES:
-            raise ConfigError(f"{key}: {entry!r} names canaries {kind!r}; known: {list(run_audit.CANARIES)}")
-        if (variant, kind) in out:
-            raise ConfigError(f"{key}: {entry!r} is named twice (each audit is one run, one MLflow run and one figure)")
-        out.append((variant, kind))
-    return out
+    """``[engine, no_noise, engine:input]`` -> [(variant, canaries)] (``run_audit.parse_variants``)."""
+    return run_audit.parse_variants(spec, key, VARIANTS)
 
 
 def validate(cfg: DictConfig) -> tuple[dict, list[tuple[str, str]]]:
@@ -211,24 +197,14 @@ def from_config(cfg: DictConfig):
     of the preset's model on its data, audited against DP-SGD's share of the budget, each an MLflow
     run (kind=audit, scope=run) with its figure and scores; ``audit.csv``, ``audit.md`` and
     ``metrics.json`` hold every row (in the run's folder, and in ``report.dir`` where set)."""
-    import shutil
-
-    from pipeline import tracking
     from pipeline.seqrec import data, train
-    from pipeline.validation import ConfigError
 
     m, variants = validate(cfg)  # before anything is created or computed
     if cfg.seqrec.get("threads"):
         torch.set_num_threads(int(cfg.seqrec.threads))
     seqs = data.load(cfg.dataset, int(cfg.dataset.L), int(cfg.seed))
     coordinates = sum(p.numel() for p in train.build(cfg.model, seqs.n_items, seqs.L).parameters() if p.requires_grad)
-    if any(kind == "dirac" for _, kind in variants) and m["dirac"] > coordinates:
-        raise ConfigError(f"audit.seqrec.run.m = {m['dirac']}: each white-box canary is one of the model's "
-                          f"{coordinates:,} trainable coordinates")
-    out = tracking.output_dir()
-    out.mkdir(parents=True, exist_ok=True)
-    shutil.rmtree(out / "runs", ignore_errors=True)  # a folder run into again holds this audit's figures only
-    tracking.setup(cfg)
+    out = run_audit.start(cfg, variants, m["dirac"], coordinates, "audit.seqrec.run.m")
     eps, _ = claim(cfg)
     name = train.model_name(cfg.model)
     params = {"model": name, "clipping": str(cfg.clipping.name), "C": float(cfg.clipping.C), "lr": float(cfg.seqrec.lr),
@@ -237,9 +213,7 @@ def from_config(cfg: DictConfig):
     rows = []
     for variant, kind in variants:
         rows.append(run(seqs, cfg, variant=variant, canaries=kind, m=m[kind], out=out / "runs", params=params))
-        r = rows[-1]
-        print(f"{variant:19s} {kind:5s}: eps_lower {r['eps_lower']:.3f} (claim {eps:g}, ceiling {r['eps_ceiling']:.2f}, "
-              f"power {r['power']:.2f})  {r['correct']}/{r['guesses']} right  {r['verdict']}", flush=True)
+        print(run_audit.line(rows[-1]), flush=True)
     scale = (f"{name} (d = {cfg.model.d}, {'tied' if cfg.model.tied else 'untied'}), {cfg.clipping.name} clipping, "
              f"{seqs.n_users} users (and the input canaries, where named), {seqs.n_items} items, L = {seqs.L}, "
              f"B = {cfg.seqrec.batch_size}, {cfg.seqrec.epochs} epochs, seed {cfg.seed}")
