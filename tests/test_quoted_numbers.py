@@ -50,6 +50,11 @@ QUOTED = [  # (page, phrase with {} for the value, stage, key, format)
     (NOISYHEAD, "{} at T = 100)", "fig6", "gd_excess_risk_mean_min", sci),
     (NOISYHEAD, "best at T = 1 ({})", "fig6", "noisyhead_excess_risk_mean_min", sci),
     (NOISYHEAD, "and {} for every T from 12", "fig6", "noisyhead_excess_risk_mean_max", sci),
+    ("docs/dpformer_experiments.md", "puts {} of its mass on tail items", "dpformer_distraction", "uniform.tail", "{:.4f}"),
+    ("docs/dpformer_experiments.md", "and {} on the relevant position. At", "dpformer_distraction", "uniform.relevant",
+     "{:.4f}"),
+    ("README.md", "(uniform attention puts {} of the mass", "dpformer_distraction", "uniform.tail", "{:.3f}"),
+    ("README.md", "from the clean model's {} towards", "dpformer_distraction", "clean.tail", "{:.3f}"),
 ]
 
 
@@ -202,15 +207,18 @@ def test_the_cost_table_is_the_committed_benchmark():
         assert f"| {V:,} | {' | '.join(shown)} |" in text(LM), V
 
 
-def test_the_whole_run_audit_table_is_the_committed_metrics():
-    """docs/lm.md's table of the DVC stage lm_audit_run: each row's correct guesses, bound, ceiling and
+@pytest.mark.parametrize("page, stage, runs", [("docs/lm.md", "lm_audit_run", 8),
+                                               ("docs/dpformer.md", "dpformer_audit_run", 10)])
+def test_the_whole_run_audit_table_is_the_committed_metrics(page, stage, runs):
+    """The docs' table of a whole-run audit's DVC stage: each row's correct guesses, bound, ceiling and
     power are the committed metrics.json's (the verdict follows from them)."""
-    metrics = json.loads((ROOT / "artifacts/lm_audit_run/metrics.json").read_text())
-    page = (ROOT / "docs/lm.md").read_text()
-    section = page[page.index("### The DVC stage `lm_audit_run`"):]
+    metrics = json.loads((ROOT / "artifacts" / stage / "metrics.json").read_text())
+    page = (ROOT / page).read_text()
+    section = page[page.index(f"### The DVC stage `{stage}`"):]
+    section = section[:section.index("\n#", 1)] if "\n#" in section[1:] else section
     rows = [line.split(" | ") for line in section.splitlines()
             if line.startswith("| ") and line.count(" | ") == 12 and not line.startswith("| variant")]
-    assert len(rows) == metrics["runs"] == 8
+    assert len(rows) == metrics["runs"] == runs
     for cells in rows:
         variant, kind = cells[0].lstrip("| "), cells[1]
         key = f"{variant}.{kind}."
