@@ -498,3 +498,29 @@ def test_the_engine_holds_no_layer_output_through_its_passes(sum_by):
     engine.step(loss_fn, batch)
     assert alive and not any(alive), alive  # every pass: the engine's, the second backward's, the check's
     assert held == [0]  # no use (and no output gradient) outlives the clipped sum
+
+
+def test_a_layer_returning_a_transposed_view_is_read_in_its_own_order():
+    """An output with its base's number of elements in another order (a transpose) is not read at the
+    base's edge (its gradient reshaped would be another's): with the check off, the norms are exact."""
+    from pipeline.clipping import layers
+
+    class Swapped(nn.Linear):  # a layer of one's own: its output is its product, transposed
+        def forward(self, x):
+            return super().forward(x).transpose(1, 2)
+
+    @layers.register(Swapped)
+    def swapped(layer, x, g, n):
+        return layers.linear(layer, x, g.transpose(1, 2), n)
+
+    try:
+        torch.manual_seed(4)
+        model = nn.Sequential(Swapped(3, 4), nn.Tanh())
+        x = torch.randn(5, 6, 3)
+        loss_fn = lambda m, b: (m(b) * torch.arange(24.0).view(4, 6)).reshape(b.shape[0], -1).sum(1)  # noqa: E731
+        _, grads = brute_force(model, loss_fn, x)
+        _, norms = PhantomClipping(model, C=1.0, check="never").per_example_norms(loss_fn, x)
+        torch.testing.assert_close(norms, norms_of(grads), rtol=1e-10, atol=1e-12)
+    finally:
+        layers.LAYERS.pop(Swapped, None)
+

@@ -82,6 +82,17 @@ def _shape(p: nn.Parameter) -> tuple[int, int]:
     return p.shape[0], p.numel() // p.shape[0]
 
 
+def _plain_reshape(view: torch.Tensor, base: torch.Tensor, x: torch.Tensor) -> bool:
+    """Whether ``view`` is one reshape of ``base`` (same elements in the same order: its gradient is the
+    base's reshaped) made by the layer's own call (not a view of its input, whose gradient has other
+    users): nn.Linear and Conv1D on (n, T, d) inputs, which reshape their 2-D product. A transposed or
+    permuted view has the same number of elements in another order, and is not one."""
+    return (base.grad_fn is not None and base.numel() == view.numel() and base.dtype == view.dtype
+            and view.is_contiguous() and base.is_contiguous() and view.storage_offset() == base.storage_offset()
+            and view.grad_fn is not None and view.grad_fn.next_functions[0][0] is base.grad_fn
+            and base is not x and base is not getattr(x, "_base", None))
+
+
 class PhantomClipping:
     """Per-example gradient norms and their clipped sum for ``model`` (see the module's docstring)."""
 
@@ -157,7 +168,7 @@ class PhantomClipping:
         base = output._base if output._is_view() else None
         if base is None:
             edge = get_gradient_edge(output)
-        elif base.numel() == output.numel() and base.grad_fn is not None:
+        elif _plain_reshape(output, base, x):
             edge = get_gradient_edge(base)
         else:
             edge, held, version = output, output, output._version
