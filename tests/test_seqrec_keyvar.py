@@ -91,3 +91,25 @@ def test_it_is_the_autograd_linearisation_of_block_1(heads):
     # to 1e-4: at std 1e-7 the ReLU's expected slope Phi(mu / sigma) is its derivative to that, near mu = 0
     torch.testing.assert_close(have, want, rtol=1e-4, atol=0)
     assert want.min() > 0
+
+
+def test_the_monte_carlo_benchmark_prints_and_writes_both_rules(tmp_path, capsys):
+    """benchmarks/reattention_mc.py at a toy size (a made-up interactions file, two steps, five draws):
+    block 1, and block 2 with its keys pulled back and by the per-coordinate rule, per median error."""
+    import json
+
+    from benchmarks import reattention_mc
+
+    g = torch.Generator().manual_seed(0)
+    lines = [f"{u} {int(i)}" for u in range(1, 31) for i in torch.randint(1, 40, (12,), generator=g)]
+    data = tmp_path / "interactions.txt"
+    data.write_text("\n".join(lines) + "\n")
+    out = tmp_path / "mc.json"
+    assert reattention_mc.main(["--data", str(data), "--steps", "2", "--batch", "4", "--medians", "0.05", "6",
+                                "--users", "2", "--draws", "5", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["item_err_median"], r["block"], r["keys"]) for r in rows] == [
+        (m, b, k) for m in (0.05, 6.0) for b, k in ((1, "pullback"), (2, "pullback"), (2, "per-coordinate"))]
+    assert all(0 < r["q05"] <= r["median"] <= r["q95"] for r in rows)
+    assert "per-coordinate" in capsys.readouterr().out
+    assert reattention_mc.main(["--data", str(tmp_path / "missing.txt")]) == 2

@@ -21,10 +21,15 @@ the noise DP-SGD leaves in the parameters.
    constants, which over-estimated block 2's variances up to 1,200-fold at the full Amazon data's
    errors), and means propagated beside the variances from there on (``DPFormer._block``); the
    attention output sum_i a_i V_i treats the (corrected) weights a_i as constants (variance
-   sum_i a_i^2 Var V_i); dropout is ignored. Every block's logit variances are checked against
-   Monte Carlo over noisy parameters (``pipeline/seqrec/perturb.py``): the first block's to Monte
-   Carlo error; the second's medians within 8%, with up to 30% under on 5% of a trained model's
-   logits, which is the covariance between coordinates that the independence assumption drops.
+   sum_i a_i^2 Var V_i); dropout is ignored. These per-coordinate variances feed the next block's
+   values and LayerNorms; its *keys* are read along one direction per query, where the covariance
+   between coordinates (which they drop) adds up: a later block's key variance is instead pulled
+   back along that direction through the block before (``keyvar.Pullback``: the same moments, the
+   covariances of W_v, W_o, the feed-forward and both LayerNorms included; exact against autograd
+   in the delta method's limit). On a trained model the per-coordinate rule put block 2's logit
+   variances at 0.16-0.27 of Monte Carlo at the median (issue 41); pulled back, 0.96-1.25
+   (``benchmarks/reattention_mc.py``). Every block's logit variances are checked against Monte Carlo
+   over noisy parameters (``pipeline/seqrec/perturb.py``, ``tests/test_seqrec_reattention.py``).
 3. Correction (Eq. 5.2): with the query q fixed, the logit <q, K_i> / sqrt(d_h) has variance
    Var_i, and E[exp] = exp(mean) exp(Var_i / 2); S_i <- S_i / exp(Var_i / 2), then renormalise
    (done as logits - Var_i / 2 before the softmax). The paper's Var_i = C sigma_i^2 with
@@ -217,6 +222,11 @@ class DPFormer(Transformer):
         self.block_err = 0.0
         self.register_buffer("item_err", torch.zeros(n_items + 1), persistent=False)
 
+    # a later block's key variance pulled back through the block before (``keyvar``); False: from the
+    # per-coordinate variances alone (earlier releases' rule, which drops the covariances: for
+    # benchmarks/reattention_mc.py's comparison, not a setting)
+    pull_keys = True
+
     def set_errors(self, block: float, items: torch.Tensor) -> None:
         self.block_err = float(block)
         self.item_err = items.to(self.item_err)
@@ -256,8 +266,11 @@ class DPFormer(Transformer):
         wk = attn.k.weight.view(h, dh, d)
         a = q @ wk[None]  # (n, h, T, d): W_k^T q per head
         qq = (q * q).sum(-1, keepdim=True)  # (n, h, T, 1)
-        if isinstance(var, Pullback):  # a later block's keys: along a, through the block before (``keyvar``)
+        if isinstance(var, Pullback) and self.pull_keys:  # a later block's keys: along a, through the block before
             keys, var = var.quadratic(a), var.diag
+        elif isinstance(var, Pullback):  # the per-coordinate rule of earlier releases (a comparison only)
+            var = var.diag
+            keys = (a * a) @ var[:, None].transpose(-1, -2)
         else:  # the first block's: independent coordinates (its input is the noisy tables)
             keys = (a * a) @ var[:, None].transpose(-1, -2)
         out = keys + qq * e2 * (var + x ** 2).sum(-1)[:, None, None, :]
