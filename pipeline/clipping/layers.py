@@ -40,8 +40,8 @@ def _tokens(t: torch.Tensor, n: int) -> torch.Tensor:
     return t.reshape(n, -1, t.shape[-1])
 
 
-def _bias(p: nn.Parameter, g: torch.Tensor) -> Direct:
-    """A bias b of y = ... + b: G_i = sum_t g_it, given whole as (n, 1, Q)."""
+def _bias(g: torch.Tensor) -> Direct:
+    """A bias b of y = ... + b: G_i = sum_t g_it, kept per token (the calls of a reused layer join)."""
     return Direct(tokens=g)
 
 
@@ -51,7 +51,7 @@ def linear(layer: nn.Linear, x: torch.Tensor, g: torch.Tensor, n: int):
     x, g = _tokens(x, n), _tokens(g, n)
     uses = [(layer.weight, Outer(left=g, right=x, rows=layer.out_features))]
     if layer.bias is not None:
-        uses.append((layer.bias, _bias(layer.bias, g)))
+        uses.append((layer.bias, _bias(g)))
     return uses
 
 
@@ -59,7 +59,7 @@ def linear(layer: nn.Linear, x: torch.Tensor, g: torch.Tensor, n: int):
 def conv1d(layer, x: torch.Tensor, g: torch.Tensor, n: int):
     """Hugging Face's Conv1D: y = x W + b, W (in, out): G_i = sum_t x_t g_t^T."""
     x, g = _tokens(x, n), _tokens(g, n)
-    return [(layer.weight, Outer(left=x, right=g, rows=layer.weight.shape[0])), (layer.bias, _bias(layer.bias, g))]
+    return [(layer.weight, Outer(left=x, right=g, rows=layer.weight.shape[0])), (layer.bias, _bias(g))]
 
 
 @register(nn.Embedding)

@@ -4,8 +4,9 @@ inner products between uses that make up a tied parameter's per-example squared 
 A parameter W of shape (P, Q) (a vector: (1, Q)) used by a layer gets, from one call on a batch
 of n examples, the per-example gradient G_i = sum_t left_it right_it^T (``Outer``): a linear layer
 y = x W^T has left = dL/dy (P = outputs) and right = x (Q = inputs); an embedding lookup y = W[id]
-has left = one-hot(id) (``Index``) and right = dL/dy. A parameter whose per-example gradient is no
-outer product (a LayerNorm's weight) gives it whole (``Direct``: (n, P, Q)).
+has left = one-hot(id) (``index=True``) and right = dL/dy; a dense left factor may cover a block of
+W's rows (``offset``). A parameter whose per-example gradient is no outer product (a LayerNorm's
+weight, a bias) gives it whole (``Direct``: (n, P, Q), or per token, (n, T, Q), summed over T).
 
 The per-example squared norm of a parameter used k times is ||sum_u G_i^u||^2 = sum_{u, v}
 <G_i^u, G_i^v>: every use with itself and every cross term between two uses (the tied embedding's

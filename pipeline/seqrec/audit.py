@@ -73,7 +73,9 @@ class OneBranchPhantom(PhantomClipping):
                          check="never")
 
     def _sq_norms(self, uses, n):
-        return super()._sq_norms({pid: found[:1] for pid, found in uses.items()}, n)
+        def one(found):  # the lookup (an index use) where there is one: the input branch
+            return [u for u in found if getattr(u, "index", False)][:1] or found[:1]
+        return super()._sq_norms({pid: one(found) for pid, found in uses.items()}, n)
 
 
 def claim(cfg: DictConfig, n_users: int) -> tuple[float, float, float]:

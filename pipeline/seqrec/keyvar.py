@@ -45,7 +45,7 @@ from dataclasses import dataclass
 
 import torch
 
-CHUNK = 2**24  # elements of the (users, heads, T, T, d_ff) contraction formed at once
+CHUNK = 2**24  # elements of the widest (users, heads, T, T, .) tensor formed at once
 
 
 def _dot(u: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -82,7 +82,9 @@ class Pullback:
         """Var(a_t . y_s) for directions a (n, H, T, d), one per query t, and every key token s of the
         block's output y: (n, H, T, T)."""
         n = a.shape[0]
-        per = max(1, CHUNK // max(1, a.shape[1] * a.shape[2] ** 2 * self.slope.shape[-1]))
+        heads = self.att.shape[1]  # the (users, H, T, T, .) tensors: d_ff wide, and (heads x d) wide
+        per = max(1, CHUNK // max(1, a.shape[1] * a.shape[2] * self.var_in.shape[1]
+                                  * max(self.slope.shape[-1], heads * a.shape[-1])))
         fields = {k: getattr(self, k) for k in self.__dataclass_fields__ if k not in ("block", "err")}
         parts = []
         for start in range(0, n, per):
