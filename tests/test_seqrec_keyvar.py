@@ -45,8 +45,9 @@ def _scramble(model, seed=3):
     return model
 
 
+@pytest.mark.parametrize("path", ["pairs", "tokens"])
 @pytest.mark.parametrize("heads", [1, 2])
-def test_it_is_the_autograd_linearisation_of_block_1(heads):
+def test_it_is_the_autograd_linearisation_of_block_1(heads, path):
     """In the delta method's limit (tiny noise: the expected scale is the noiseless one, the ReLU's
     expected slope its derivative), Var(a_t . y_s) is the sum over every noise source of its variance
     times the squared derivative of a_t . y_s: the input tokens' coordinates and block 1's weights,
@@ -64,7 +65,7 @@ def test_it_is_the_autograd_linearisation_of_block_1(heads):
     items[0] = 0
     model.set_errors(tiny, items)
     pull, a, record = _pullback(model, IDS)
-    have = pull.quadratic(a) / tiny**2  # (n, H, T, T)
+    have = pull.quadratic(a, path=path) / tiny**2  # (n, H, T, T), by either contraction
 
     x, mask, _ = model.inputs(IDS)
     x = x.detach().requires_grad_(True)

@@ -35,8 +35,9 @@ D = P(pre > 0) the ReLU's expected slope (Stein's lemma: Cov(relu(X), X) = D Var
 tokens' input noise independent (an item repeated in a sequence shares its row's noise), a
 weight's noise independent between tokens, dropout ignored. For the first block's output (the
 second block's keys) the input term is exact; for later blocks the input's own covariance is
-dropped. Cost: T^2 d d_ff per user and head (one (T, T, d_ff) contraction), done in chunks of
-users; no (d x d) matrix per token is formed.
+dropped. Cost: T^2 d d_ff per user and head (one (T, T, d_ff) contraction), or for long sequences
+T d^2 d_ff + T^2 d^2 (M_s = W_2 diag(D_s) W_1 formed per key token), whichever is fewer, in chunks
+of users.
 """
 
 from __future__ import annotations
@@ -78,9 +79,11 @@ class Pullback:
     var_xhat2: torch.Tensor
     diag: torch.Tensor      # the block output's per-coordinate variances (what the propagation carries)
 
-    def quadratic(self, a: torch.Tensor) -> torch.Tensor:
+    def quadratic(self, a: torch.Tensor, path: str = "auto") -> torch.Tensor:
         """Var(a_t . y_s) for directions a (n, H, T, d), one per query t, and every key token s of the
-        block's output y: (n, H, T, T)."""
+        block's output y: (n, H, T, T). ``path``: the feed-forward's pull-back per (t, s) pair
+        (``pairs``: T^2 d d_ff per user and head) or through M_s = W_2 diag(D_s) W_1 formed per key token
+        (``tokens``: T d^2 d_ff + T^2 d^2, fewer for sequences longer than about d); ``auto``: the cheaper."""
         n = a.shape[0]
         heads = self.att.shape[1]  # the (users, H, T, T, .) tensors: d_ff wide, and (heads x d) wide
         per = max(1, CHUNK // max(1, a.shape[1] * a.shape[2] * self.var_in.shape[1]
@@ -89,11 +92,12 @@ class Pullback:
         parts = []
         for start in range(0, n, per):
             rows = slice(start, min(n, start + per))
-            parts.append(_quadratic(self.block, self.err, a[rows], **{k: v[rows] for k, v in fields.items()}))
+            parts.append(_quadratic(self.block, self.err, a[rows], path=path,
+                                    **{k: v[rows] for k, v in fields.items()}))
         return torch.cat(parts) if parts else a.new_zeros(a.shape[:3] + (a.shape[2],))
 
 
-def _quadratic(block, err: float, a, *, mean_in, var_in, att, mean_y, var_y, x1, s1, var_xhat1, mean_1, var_1,
+def _quadratic(block, err: float, a, *, path: str = "auto", mean_in, var_in, att, mean_y, var_y, x1, s1, var_xhat1, mean_1, var_1,
                slope, extra, mean_act, var_act, x2, s2, var_xhat2, diag) -> torch.Tensor:
     e2 = err * err
     d = a.shape[-1]
@@ -119,9 +123,14 @@ def _quadratic(block, err: float, a, *, mean_in, var_in, att, mean_y, var_y, x1,
     out = out + weighted(slope * slope) * (e2 * ((mean_1 * mean_1).sum(-1) + var_1.sum(-1)) + e2)[:, None, None, :]
     out = out + (b * b).sum(-1) * (e2 * ((mean_act * mean_act).sum(-1) + var_act.sum(-1)) + e2)[:, None, None, :]
     # c_ts = b_ts + W_1^T (D_s * W_2^T b_ts) = b_ts + (W_1^T (D_s * A_t) - W_1^T (D_s * B_s) kappa_ts / d) / s_s
-    DA = (A[..., :, None, :] * slope[:, None, None]) @ w1  # (n, H, T, T, d): the T^2 d d_ff contraction
-    DB = (slope * B) @ w1  # (n, T, d)
-    c = b + (DA - DB[:, None, None] * (kappa / d)[..., None]) * inv[..., None]
+    H, Tq, T, d_ff = a.shape[1], a.shape[2], b.shape[3], w1.shape[0]
+    if path == "pairs" or (path == "auto" and H * Tq * T * d_ff * d <= T * d * d_ff * d + H * Tq * T * d * d):
+        DA = (A[..., :, None, :] * slope[:, None, None]) @ w1  # (n, H, T, T, d): the T^2 d d_ff contraction
+        DB = (slope * B) @ w1  # (n, T, d)
+        c = b + (DA - DB[:, None, None] * (kappa / d)[..., None]) * inv[..., None]
+    else:  # long sequences: M_s = W_2 diag(D_s) W_1 per key token (T d^2 d_ff), then c = b + b M_s (T^2 d^2)
+        m = (w2[None, None] * slope[:, :, None, :]) @ w1  # (n, T, d, d)
+        c = b + torch.einsum("nHtsd,nsde->nHtse", b, m)
     out = out + (c * c * (e2 * (var_xhat1 + x1 * x1) + e2)[:, None, None]).sum(-1)  # gamma_1, beta_1
     # LN 1: c1 = J_1(gamma_1 c)
     g1 = c * block.ln1.weight
