@@ -202,14 +202,14 @@ def test_a_wrong_layer_function_is_caught_by_the_self_check():
     the first step's brute force on three examples names the parameter. (One that leaves the bias out
     is refused before that, by the structural check.)"""
     from pipeline.clipping import layers
-    from pipeline.clipping.uses import Outer
+    from pipeline.clipping.uses import Direct
 
     class Scaled(nn.Linear):
         pass
 
     def halved_bias(layer, x, g, n):
         (w, weight), (b, bias) = layers.linear(layer, x, g, n)
-        return [(w, weight), (b, Outer(left=bias.left, right=bias.right / 2, rows=1))]
+        return [(w, weight), (b, Direct(tokens=bias.tokens / 2))]
 
     layers.register(Scaled)(halved_bias)
     try:
@@ -379,50 +379,31 @@ def test_half_precision_factors_are_summed_in_float32():
     torch.testing.assert_close(norms.double(), norms_of(grads).double(), rtol=0.05, atol=0)
 
 
-def _tied_embedding(layer, x, g, n):
-    """DPFormer's TiedEmbedding (pipeline/seqrec/models.py) as one more registered type, in one
-    function: called on ids it is a lookup (padding row 0 gets nothing), on hidden states the scores
-    h E[1:]^T (row 0 takes no score)."""
-    from pipeline.clipping.uses import Outer
-
-    rows = layer.weight.shape[0]
-    if not x.is_floating_point():
-        ids, g = x.reshape(n, -1), g.reshape(n, -1, g.shape[-1])
-        g = g * (ids != 0).unsqueeze(-1).to(g.dtype)
-        return [(layer.weight, Outer(left=ids, right=g, rows=rows, index=True))]
-    h, g = x.reshape(n, -1, x.shape[-1]), g.reshape(n, -1, g.shape[-1])
-    return [(layer.weight, Outer(left=F.pad(g, (1, 0)), right=h, rows=rows))]
-
-
 @pytest.mark.parametrize("model_name", ["transformer", "transformer_untied", "dpformer", "gru", "lstm"])
 def test_the_projects_next_item_models_match_the_brute_force(cfg_for, model_name):
     """The shared engine on DPFormer's own models, dropout on, left padding, tied and untied: GRU and
-    LSTM cells are nn.Linear layers called at every step (each step a use, every pair a cross term),
-    the tied item table a TiedEmbedding registered in one function (above). Exact to 1e-9."""
-    from pipeline.clipping import layers
+    LSTM cells are nn.Linear layers called at every step (their calls joined into one use), the tied
+    item table a TiedEmbedding registered by its module in one function (``models.tied_uses``: a
+    lookup and scores on rows 1..M, two uses and their cross term). Exact to 1e-9."""
     from pipeline.seqrec import data, models, train
 
-    layers.register(models.TiedEmbedding)(_tied_embedding)
-    try:
-        cfg = cfg_for("experiment=dpformer_ci", f"model={model_name}", "model.dropout=0.3")
-        seqs = data.load(cfg.dataset, int(cfg.dataset.L), 0)
-        torch.manual_seed(0)
-        model = train.build(cfg.model, seqs.n_items, seqs.L).double().train()
-        rows = seqs.train[:6]
-        batch = (rows[:, :-1], rows[:, 1:])
+    cfg = cfg_for("experiment=dpformer_ci", f"model={model_name}", "model.dropout=0.3")
+    seqs = data.load(cfg.dataset, int(cfg.dataset.L), 0)
+    torch.manual_seed(0)
+    model = train.build(cfg.model, seqs.n_items, seqs.L).double().train()
+    rows = seqs.train[:6]
+    batch = (rows[:, :-1], rows[:, 1:])
 
-        def loss_fn(m, b):
-            torch.manual_seed(5)  # the same dropout masks in the engine's forward and the brute force's
-            return models.user_losses(m(b[0]), b[0], b[1])
+    def loss_fn(m, b):
+        torch.manual_seed(5)  # the same dropout masks in the engine's forward and the brute force's
+        return models.user_losses(m(b[0]), b[0], b[1])
 
-        assert (batch[0] == 0).any()  # left padding in the batch
-        _, grads = brute_force(model, loss_fn, batch)
-        engine = PhantomClipping(model, C=1.0, check="never")
-        assert engine.ties() == {}  # a TiedEmbedding is one layer called twice: its two calls are two uses
-        _, norms = engine.step(loss_fn, batch)
-        torch.testing.assert_close(norms, norms_of(grads), rtol=1e-9, atol=1e-12)
-    finally:
-        del layers.LAYERS[models.TiedEmbedding]
+    assert (batch[0] == 0).any()  # left padding in the batch
+    _, grads = brute_force(model, loss_fn, batch)
+    engine = PhantomClipping(model, C=1.0, check="never")
+    assert engine.ties() == {}  # a TiedEmbedding is one layer called twice: its two calls are two uses
+    _, norms = engine.step(loss_fn, batch)
+    torch.testing.assert_close(norms, norms_of(grads), rtol=1e-9, atol=1e-12)
 
 
 def test_opacus_engines_share_the_interface_and_ghost_refuses_a_tie_by_name():

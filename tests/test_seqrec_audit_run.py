@@ -176,6 +176,7 @@ def test_bad_settings_are_refused_by_name(overrides, key):  # noqa: D103
 def test_one_branch_trains_with_the_one_branch_engine(monkeypatch):
     """The control is wired to the test double (pipeline.seqrec.audit.OneBranchPhantom): its norms of
     the tied table, from the input branch only, are below the real engine's on every user with a target."""
+    from pipeline.clipping import PhantomClipping
     from pipeline.seqrec import audit as step_audit
     from pipeline.seqrec import audit_run
 
@@ -184,11 +185,11 @@ def test_one_branch_trains_with_the_one_branch_engine(monkeypatch):
     seen = []
 
     class Spy(step_audit.OneBranchPhantom):
-        def step(self, ids, targets):
-            real = step_audit.Phantom._norms(self, ids, targets)[1]  # the real engine's squared norms
-            buggy = self._norms(ids, targets)[1]
-            seen.append((buggy.detach(), real.detach()))
-            return super().step(ids, targets)
+        def _sq_norms(self, uses, n):
+            buggy = super()._sq_norms(uses, n)
+            real = PhantomClipping._sq_norms(self, uses, n)  # the real engine's, every use and cross term
+            seen.append((sum(buggy.values()).detach(), sum(real.values()).detach()))
+            return buggy
 
     monkeypatch.setattr(step_audit, "OneBranchPhantom", Spy)
     audit_run.run(seqs, cfg, variant="one_branch", m=50)

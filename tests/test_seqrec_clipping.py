@@ -8,8 +8,8 @@ import torch
 from omegaconf import OmegaConf
 
 from pipeline.seqrec import clipping, models, train
-from pipeline.seqrec.clipping import norms as norm_fns
-from pipeline.seqrec.clipping.phantom import Phantom, owners
+from pipeline.clipping import PhantomClipping
+from pipeline.clipping.uses import inner
 
 warnings.filterwarnings("ignore", module="opacus")
 
@@ -53,21 +53,25 @@ def clip_cfg(rule="classic", C=0.3, form="auto", sum_by="bookkeeping"):
     return OmegaConf.create(dict(C=C, rule=rule, gamma=0.01, norm_form=form, sum_by=sum_by))
 
 
+def phantom_norms(model, form="auto"):
+    """Per-user gradient norms from the shared engine (``pipeline/clipping``), as the phantom engine runs it."""
+    engine = PhantomClipping(model, C=1.0, form=form, check="never")
+    return engine.per_example_norms(clipping.user_losses, (IDS, TARGETS))[1]
+
+
 @pytest.mark.parametrize("arch,tied", MODELS)
 @pytest.mark.parametrize("form", ["gram", "direct"])
 def test_phantom_norms_equal_brute_force(arch, tied, form):
     model = build(arch, tied)
     ref = brute_force(model).norm(dim=1)
-    _, sq = Phantom(model, None, form=form).per_user_sq_norms(IDS, TARGETS)
     assert ref.min() > 0
-    torch.testing.assert_close(sq.sqrt(), ref, rtol=1e-5, atol=0)
+    torch.testing.assert_close(phantom_norms(model, form), ref, rtol=1e-5, atol=0)
 
 
 def test_phantom_norms_in_float32_within_1e5():
     model = build("transformer", True).float()
     ref = brute_force(model.double()).norm(dim=1)
-    _, sq = Phantom(model.float(), None).per_user_sq_norms(IDS, TARGETS)
-    torch.testing.assert_close(sq.sqrt().double(), ref, rtol=1e-5, atol=0)
+    torch.testing.assert_close(phantom_norms(model.float()).double(), ref, rtol=1e-5, atol=0)
 
 
 @pytest.mark.parametrize("arch,tied", MODELS)
@@ -104,12 +108,15 @@ def test_branchwise_embedding_norm_breaks_the_bound():
     lets a user's clipped gradient exceed C, which the test above would catch."""
     model = build("transformer", True)
     per_user = brute_force(model)
-    _, _, per_layer = Phantom(model, None)._norms(IDS, TARGETS)
+    engine = PhantomClipping(model, C=1.0, check="never")
+    losses = engine._forward(clipping.user_losses, (IDS, TARGETS))
+    uses = engine._uses(losses, keep_graph=False)
+    assert max(len(found) for found in uses.values()) == 2  # the item table: lookup and scores
     sq = torch.zeros(IDS.shape[0], dtype=torch.double)
-    for m, calls in per_layer.items():
-        for call in calls:  # every call on its own: no cross term
-            for v in norm_fns.NORMS[type(m)](m, [call]).values():
-                sq = sq + v
+    for pid, found in uses.items():
+        shape = engine.params[pid][1].shape
+        for use in found:  # every use on its own: no cross term
+            sq = sq + inner(use, use, IDS.shape[0], (shape[0], shape[-1] if len(shape) > 1 else 1))
     ref = per_user.norm(dim=1)
     assert (sq.sqrt() - ref).abs().max() / ref.max() > 1e-3
     c = clipping.coefficients(sq.sqrt(), C=0.05, rule="classic", gamma=0.0)
@@ -136,12 +143,29 @@ def test_ghost_refuses_a_tied_model():
         clipping.make("ghost", build("transformer", True), clip_cfg())
 
 
-def test_phantom_refuses_a_parameter_held_by_two_layers():
+def test_phantom_finds_a_parameter_held_by_two_layers():
+    """An nn.Embedding and an nn.Linear holding one Parameter (no TiedEmbedding): the tie is found by
+    identity and the norm includes the cross term (it used to be refused)."""
     class TwoLayers(torch.nn.Module):
         def __init__(self):
             super().__init__()
             self.a, self.b = torch.nn.Embedding(5, 3), torch.nn.Linear(3, 5, bias=False)
             self.b.weight = self.a.weight
 
-    with pytest.raises(TypeError, match="also held"):
-        owners(TwoLayers())
+        def forward(self, ids):
+            return self.b(torch.tanh(self.a(ids)))
+
+    torch.manual_seed(0)
+    model = TwoLayers().double()
+    ids, targets = torch.randint(0, 5, (4, 3)), torch.randint(0, 5, (4, 3))
+
+    def losses(m, batch):
+        x, y = batch
+        return torch.nn.functional.cross_entropy(m(x).transpose(1, 2), y, reduction="none").sum(1)
+
+    engine = PhantomClipping(model, C=1.0, check="never")
+    assert engine.ties() == {"a.weight": ["a", "b"]}
+    _, norms = engine.per_example_norms(losses, (ids, targets))
+    want = torch.stack([torch.autograd.grad(losses(model, (ids[i:i + 1], targets[i:i + 1])).sum(),
+                                            model.a.weight)[0].norm() for i in range(4)])
+    torch.testing.assert_close(norms, want, rtol=1e-10, atol=0)

@@ -40,9 +40,9 @@ def _tokens(t: torch.Tensor, n: int) -> torch.Tensor:
     return t.reshape(n, -1, t.shape[-1])
 
 
-def _bias(p: nn.Parameter, g: torch.Tensor) -> Outer:
-    """A bias b of y = ... + b: G_i = sum_t g_it, a (1, Q) outer product with a left factor of ones."""
-    return Outer(left=g.new_ones(g.shape[0], g.shape[1], 1), right=g, rows=1)
+def _bias(g: torch.Tensor) -> Direct:
+    """A bias b of y = ... + b: G_i = sum_t g_it, kept per token (the calls of a reused layer join)."""
+    return Direct(tokens=g)
 
 
 @register(nn.Linear)
@@ -51,7 +51,7 @@ def linear(layer: nn.Linear, x: torch.Tensor, g: torch.Tensor, n: int):
     x, g = _tokens(x, n), _tokens(g, n)
     uses = [(layer.weight, Outer(left=g, right=x, rows=layer.out_features))]
     if layer.bias is not None:
-        uses.append((layer.bias, _bias(layer.bias, g)))
+        uses.append((layer.bias, _bias(g)))
     return uses
 
 
@@ -59,7 +59,7 @@ def linear(layer: nn.Linear, x: torch.Tensor, g: torch.Tensor, n: int):
 def conv1d(layer, x: torch.Tensor, g: torch.Tensor, n: int):
     """Hugging Face's Conv1D: y = x W + b, W (in, out): G_i = sum_t x_t g_t^T."""
     x, g = _tokens(x, n), _tokens(g, n)
-    return [(layer.weight, Outer(left=x, right=g, rows=layer.weight.shape[0])), (layer.bias, _bias(layer.bias, g))]
+    return [(layer.weight, Outer(left=x, right=g, rows=layer.weight.shape[0])), (layer.bias, _bias(g))]
 
 
 @register(nn.Embedding)
@@ -76,21 +76,23 @@ def _normalised(layer, x: torch.Tensor, rms: bool) -> torch.Tensor:
     eps = layer.eps if layer.eps is not None else torch.finfo(x.dtype).eps
     if rms:
         return x * torch.rsqrt(x.pow(2).mean(dims, keepdim=True) + eps)
+    if isinstance(layer, nn.LayerNorm):  # its forward's own normalisation
+        return torch.nn.functional.layer_norm(x, layer.normalized_shape, eps=layer.eps)
     mean = x.mean(dims, keepdim=True)
     return (x - mean) * torch.rsqrt(x.var(dims, unbiased=False, keepdim=True) + eps)
 
 
 def _norm_layer(layer, x: torch.Tensor, g: torch.Tensor, n: int, rms: bool):
-    """y = xhat * w + b over the last dims: G_i(w) = sum_t g_t * xhat_t, G_i(b) = sum_t g_t, whole."""
-    k = len(layer.normalized_shape)
+    """y = xhat * w + b over the last dims: G_i(w) = sum_t g_t * xhat_t, G_i(b) = sum_t g_t, kept per token."""
+    size = 1
+    for k in layer.normalized_shape:
+        size *= k
     uses = []
     if layer.weight is not None:
         xhat = _normalised(layer, x.to(g.dtype), rms)
-        per = (g * xhat).reshape(n, -1, *layer.normalized_shape).sum(1)
-        uses.append((layer.weight, Direct(per.reshape(n, 1, -1))))
+        uses.append((layer.weight, Direct(tokens=(g * xhat).reshape(n, -1, size))))
     if getattr(layer, "bias", None) is not None:
-        per = g.reshape(n, -1, *g.shape[g.dim() - k:]).sum(1)
-        uses.append((layer.bias, Direct(per.reshape(n, 1, -1))))
+        uses.append((layer.bias, Direct(tokens=g.reshape(n, -1, size))))
     return uses
 
 
@@ -104,8 +106,7 @@ def hf_rms_norm(layer, x: torch.Tensor, g: torch.Tensor, n: int):
     in float32 then cast back to x's dtype, as its forward does; G_i(w) = sum_t g_t * xhat_t."""
     h = x.to(torch.float32)
     xhat = (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + layer.variance_epsilon)).to(x.dtype).to(g.dtype)
-    per = (g * xhat).reshape(n, -1, xhat.shape[-1]).sum(1)
-    return [(layer.weight, Direct(per.reshape(n, 1, -1)))]
+    return [(layer.weight, Direct(tokens=(g * xhat).reshape(n, -1, xhat.shape[-1])))]
 
 
 for _name in ("llama.modeling_llama.LlamaRMSNorm", "qwen2.modeling_qwen2.Qwen2RMSNorm",

@@ -4,8 +4,9 @@ inner products between uses that make up a tied parameter's per-example squared 
 A parameter W of shape (P, Q) (a vector: (1, Q)) used by a layer gets, from one call on a batch
 of n examples, the per-example gradient G_i = sum_t left_it right_it^T (``Outer``): a linear layer
 y = x W^T has left = dL/dy (P = outputs) and right = x (Q = inputs); an embedding lookup y = W[id]
-has left = one-hot(id) (``Index``) and right = dL/dy. A parameter whose per-example gradient is no
-outer product (a LayerNorm's weight) gives it whole (``Direct``: (n, P, Q)).
+has left = one-hot(id) (``index=True``) and right = dL/dy; a dense left factor may cover a block of
+W's rows (``offset``). A parameter whose per-example gradient is no outer product (a LayerNorm's
+weight, a bias) gives it whole (``Direct``: (n, P, Q), or per token, (n, T, Q), summed over T).
 
 The per-example squared norm of a parameter used k times is ||sum_u G_i^u||^2 = sum_{u, v}
 <G_i^u, G_i^v>: every use with itself and every cross term between two uses (the tied embedding's
@@ -25,59 +26,110 @@ CHUNK_FLOATS = 2**24  # materialised per-example gradients are formed this many 
 
 @dataclass
 class Outer:
-    """G_i = sum_t left[i, t] right[i, t]^T; ``left`` is (n, T, P) or, for ``index=True``, (n, T)
-    row indices into P rows (a one-hot left factor); ``right`` is (n, T, Q)."""
+    """G_i = sum_t left[i, t] right[i, t]^T; ``left`` is (n, T, W) or, for ``index=True``, (n, T)
+    row indices into P rows (a one-hot left factor); ``right`` is (n, T, Q). A dense ``left`` covers
+    the parameter's rows ``offset`` to ``offset + W - 1`` (all P of them by default): a layer that
+    uses a block of its parameter's rows, such as scores against a table's rows 1..M past a padding
+    row 0."""
     left: torch.Tensor
     right: torch.Tensor
     rows: int  # P
     index: bool = False
+    offset: int = 0
 
     @property
     def tokens(self) -> int:
         return self.right.shape[1]
 
-    def dense(self, rows: slice) -> torch.Tensor:
-        """The per-example gradients of examples ``rows``, (m, P, Q)."""
+    @property
+    def span(self) -> tuple[int, int]:
+        """The parameter rows a dense left factor covers, [start, stop)."""
+        return (0, self.rows) if self.index else (self.offset, self.offset + self.left.shape[-1])
+
+    def _place(self, block: torch.Tensor) -> torch.Tensor:
+        """A (..., W, Q) block of rows into the parameter's (..., P, Q)."""
+        start, stop = self.span
+        if (start, stop) == (0, self.rows):
+            return block
+        out = block.new_zeros(*block.shape[:-2], self.rows, block.shape[-1])
+        out[..., start:stop, :] = block
+        return out
+
+    def dense(self, rows: slice, placed: bool = True) -> torch.Tensor:
+        """The per-example gradients of examples ``rows``, (m, P, Q) (``placed=False``: a dense left
+        factor's own rows only, (m, W, Q))."""
         right = self.right[rows]
         if not self.index:
-            return self.left[rows].transpose(1, 2) @ right
+            block = self.left[rows].transpose(1, 2) @ right
+            return self._place(block) if placed else block
         m, _, q = right.shape
         out = right.new_zeros(m, self.rows, q)
         return out.scatter_add_(1, self.left[rows].unsqueeze(-1).expand(-1, -1, q), right)
 
     def weighted_sum(self, c: torch.Tensor) -> torch.Tensor:
-        """sum_i c_i G_i, (P, Q): the clipped sum by book-keeping (no second backward pass)."""
-        right = (c.to(self.right.dtype).view(-1, 1, 1) * self.right).reshape(-1, self.right.shape[-1])
-        if not self.index:
-            return self.left.reshape(-1, self.rows).transpose(0, 1).to(right.dtype) @ right
-        out = right.new_zeros(self.rows, right.shape[-1])
-        return out.index_add_(0, self.left.reshape(-1), right)
+        """sum_i c_i G_i, (P, Q): the clipped sum by book-keeping (no second backward pass), the
+        narrower factor weighted (a language model's (n, T, V) logits' gradient is not copied)."""
+        c = c.to(self.right.dtype)
+        if self.index:
+            right = (c.view(-1, 1, 1) * self.right).reshape(-1, self.right.shape[-1])
+            return right.new_zeros(self.rows, right.shape[-1]).index_add_(0, self.left.reshape(-1), right)
+        left, right = self.left.to(self.right.dtype), self.right
+        if right.shape[-1] <= left.shape[-1]:
+            right = c.view(-1, 1, 1) * right
+        else:
+            left = c.view(-1, 1, 1) * left
+        return self._place(left.reshape(-1, left.shape[-1]).transpose(0, 1) @ right.reshape(-1, right.shape[-1]))
 
 
 @dataclass
 class Direct:
-    """G_i given whole, (n, P, Q)."""
-    grad: torch.Tensor
+    """G_i given whole, (n, P, Q); or, for a vector parameter, as ``tokens`` (n, T, Q) whose sum
+    over T is G_i (a bias, a LayerNorm weight: kept per token so that the calls of a layer used
+    several times join by concatenation, and are summed once)."""
+    grad: torch.Tensor | None = None
+    tokens: torch.Tensor | None = None
 
-    def dense(self, rows: slice) -> torch.Tensor:
-        return self.grad[rows]
+    def whole(self, rows: slice = slice(None)) -> torch.Tensor:
+        return self.grad[rows] if self.tokens is None else self.tokens[rows].sum(1).unsqueeze(1)
+
+    def dense(self, rows: slice, placed: bool = True) -> torch.Tensor:
+        return self.whole(rows)
 
     def weighted_sum(self, c: torch.Tensor) -> torch.Tensor:
-        return torch.einsum("n,npq->pq", c.to(self.grad.dtype), self.grad)
+        grad = self.whole()
+        n, p, q = grad.shape
+        return (c.to(grad.dtype) @ grad.reshape(n, p * q)).reshape(p, q)
 
 
 Use = Outer | Direct
 
 
+def _gathered(ids: torch.Tensor, dense: Outer) -> torch.Tensor:
+    """(n, T_dense, S_ids): dense.left at the rows ``ids`` name (zero where they fall outside its span)."""
+    start, stop = dense.span
+    idx = ids - start
+    inside = (idx >= 0) & (idx < stop - start)
+    got = torch.gather(dense.left, 2, idx.clamp(0, stop - start - 1).unsqueeze(1).expand(-1, dense.left.shape[1], -1))
+    return got if bool(inside.all()) else got * inside.unsqueeze(1).to(got.dtype)
+
+
 def _left_gram(a: Outer, b: Outer) -> torch.Tensor:
-    """(n, T, S): left_t . left'_s, one-hot factors as comparisons and gathers."""
+    """(n, T, S): left_t . left'_s, one-hot factors as comparisons and gathers, dense ones over the
+    rows both cover."""
     if a.index and b.index:
         return (a.left.unsqueeze(2) == b.left.unsqueeze(1)).to(a.right.dtype)
     if a.index:
-        return torch.gather(b.left, 2, a.left.unsqueeze(1).expand(-1, b.left.shape[1], -1)).transpose(1, 2)
+        return _gathered(a.left, b).transpose(1, 2)
     if b.index:
-        return torch.gather(a.left, 2, b.left.unsqueeze(1).expand(-1, a.left.shape[1], -1))
-    return a.left @ b.left.transpose(1, 2)
+        return _gathered(b.left, a)
+    if a.span == b.span:
+        return a.left @ b.left.transpose(1, 2)
+    start, stop = max(a.span[0], b.span[0]), min(a.span[1], b.span[1])
+    if start >= stop:
+        return a.left.new_zeros(a.left.shape[0], a.left.shape[1], b.left.shape[1])
+    la = a.left[..., start - a.span[0]:stop - a.span[0]]
+    lb = b.left[..., start - b.span[0]:stop - b.span[0]]
+    return la @ lb.transpose(1, 2)
 
 
 def _gram(a: Outer, b: Outer) -> torch.Tensor:
@@ -85,22 +137,57 @@ def _gram(a: Outer, b: Outer) -> torch.Tensor:
 
 
 def _materialised(a: Use, b: Use, n: int, shape: tuple[int, int]) -> torch.Tensor:
-    per = max(1, CHUNK_FLOATS // max(1, shape[0] * shape[1]))
+    # a dense use with itself (or with one on the same rows): its own rows only, no zero rows formed
+    own = (isinstance(a, Outer) and isinstance(b, Outer) and not a.index and not b.index and a.span == b.span)
+    width = a.left.shape[-1] if own else shape[0]
+    per = max(1, CHUNK_FLOATS // max(1, width * shape[1]))
     parts = []
     for start in range(0, n, per):
         rows = slice(start, min(n, start + per))
-        ga = a.dense(rows)
-        gb = ga if b is a else b.dense(rows)
-        parts.append((ga * gb).sum((1, 2)))
+        ga = a.dense(rows, placed=False) if own else a.dense(rows)
+        gb = ga if b is a else (b.dense(rows, placed=False) if own else b.dense(rows))
+        if isinstance(ga, torch.Tensor) and ga.shape[1] == 1:  # a vector's (m, 1, Q): summed as (m, Q)
+            parts.append((ga * gb).reshape(ga.shape[0], -1).sum(1))
+        else:
+            parts.append((ga * gb).sum((1, 2)))
     return torch.cat(parts)
 
 
 def inner(a: Use, b: Use, n: int, shape: tuple[int, int], form: str = "auto") -> torch.Tensor:
     """<G_i^a, G_i^b> for every example i, (n,). ``form``: ``gram``, ``direct`` (materialise) or
-    ``auto`` (the one with fewer operations; a Direct use is always materialised)."""
+    ``auto`` (the one with fewer operations; a Direct use is always materialised). The Gram form costs
+    T S (P + Q) per example for two dense left factors, T S Q where one is one-hot (a comparison or a
+    gather, not a P-long product); materialising costs T P Q per use formed (a use with itself is
+    formed once)."""
     if isinstance(a, Outer) and isinstance(b, Outer):
-        gram_cost = a.tokens * b.tokens * (shape[0] + shape[1])
-        direct_cost = (a.tokens + b.tokens) * shape[0] * shape[1]
+        if a.index and not b.index:  # the dense one first: the (T, S) products in its tokens' order
+            a, b = b, a
+        gram_cost = a.tokens * b.tokens * (shape[1] if (a.index or b.index) else shape[0] + shape[1])
+        direct_cost = (a.tokens + (0 if b is a else b.tokens)) * shape[0] * shape[1]
         if form == "gram" or (form == "auto" and gram_cost <= direct_cost):
             return _gram(a, b)
     return _materialised(a, b, n, shape)
+
+
+def merged(found: list[Use]) -> list[Use]:
+    """A parameter's uses with those of one kind joined (the calls of a layer used at every step of a
+    recurrence, or reused across blocks): Outer uses with the same left factor's kind and rows
+    concatenated along the tokens (G_i is a sum over tokens), Direct uses summed. Fewer, longer uses:
+    k calls cost one inner product instead of k (k + 1) / 2."""
+    out: list[Use] = []
+    for use in found:
+        for i, have in enumerate(out):
+            if isinstance(use, Direct) and isinstance(have, Direct):
+                if use.tokens is not None and have.tokens is not None and use.tokens.shape[2:] == have.tokens.shape[2:]:
+                    out[i] = Direct(tokens=torch.cat([have.tokens, use.tokens], 1))
+                else:
+                    out[i] = Direct(have.whole() + use.whole())
+                break
+            if (isinstance(use, Outer) and isinstance(have, Outer) and use.index == have.index
+                    and use.span == have.span and use.rows == have.rows):
+                out[i] = Outer(left=torch.cat([have.left, use.left], 1), right=torch.cat([have.right, use.right], 1),
+                               rows=have.rows, index=have.index, offset=have.offset)
+                break
+        else:
+            out.append(use)
+    return out

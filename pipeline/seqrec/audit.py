@@ -53,31 +53,29 @@ from omegaconf import DictConfig, OmegaConf
 from pipeline import auditing, plot, privacy, rng, tracking, validation
 from pipeline.validation import ConfigError
 from pipeline.seqrec import clipping, config, data, train
-from pipeline.seqrec.clipping.norms import NORMS
-from pipeline.seqrec.clipping.phantom import Phantom
-from pipeline.seqrec.models import TiedEmbedding
+from pipeline.clipping import PhantomClipping
 
 log = logging.getLogger(__name__)
 
 CONTROLS = ("noise_halved", "one_branch")
 
 
-class OneBranchPhantom(Phantom):
+class OneBranchPhantom(PhantomClipping):
     """TEST DOUBLE, for the audit's negative control only (no config key reaches it from training):
-    Phantom Clipping with fastDP's shared-embedding bug. The tied item table's norm function sees
-    only its input-lookup calls, so its per-user norm is ||grad_in|| instead of
-    ||grad_in + grad_out||; the clipped sum is still sum_i c_i g_i of the true gradients, with the
-    too large c_i."""
+    Phantom Clipping with fastDP's shared-embedding bug. A parameter used in two ways (the tied item
+    table's lookup and scores) gets the norm of its first use only, so the item table's per-user
+    norm is ||grad_in|| instead of ||grad_in + grad_out||; the clipped sum is still sum_i c_i g_i of
+    the true gradients, with the too large c_i. Its self-check is off (it would refuse the bug)."""
 
-    def _norms(self, ids, targets):
-        losses, _, per_layer = super()._norms(ids, targets)
-        sq = losses.new_zeros(losses.shape[0])
-        for m, calls in per_layer.items():
-            if isinstance(m, TiedEmbedding):
-                calls = [call for call in calls if not call[0].is_floating_point()]  # the lookup branch only
-            for value in NORMS[type(m)](m, calls, self.form).values():
-                sq = sq + value
-        return losses, sq, per_layer
+    def __init__(self, model, clip):
+        super().__init__(model, C=float(clip.C), rule=str(clip.rule), gamma=float(clip.gamma),
+                         sum_by=str(clip.get("sum_by", "bookkeeping")), form=str(clip.get("norm_form", "auto")),
+                         check="never")
+
+    def _sq_norms(self, uses, n):
+        def one(found):  # the lookup (an index use) where there is one: the input branch
+            return [u for u in found if getattr(u, "index", False)][:1] or found[:1]
+        return super()._sq_norms({pid: one(found) for pid, found in uses.items()}, n)
 
 
 def claim(cfg: DictConfig, n_users: int) -> tuple[float, float, float]:
@@ -132,10 +130,9 @@ def batches(seqs: data.Sequences, users: int) -> tuple[torch.Tensor, torch.Tenso
 
 
 def engine_for(variant: str, model, cfg: DictConfig):
-    engine = clipping.make(cfg.clipping.name, model, cfg.clipping)
     if variant == "one_branch":
-        engine = OneBranchPhantom(model, engine.coef, form=engine.form, sum_by=engine.sum_by)
-    return engine
+        return clipping.Phantom(model, cfg.clipping, engine=OneBranchPhantom(model, cfg.clipping))
+    return clipping.make(cfg.clipping.name, model, cfg.clipping)
 
 
 def model_for(cfg: DictConfig, seqs: data.Sequences, dtype) -> torch.nn.Module:

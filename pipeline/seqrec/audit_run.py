@@ -33,7 +33,6 @@ resumes into a fresh model and fresh canaries.
 from __future__ import annotations
 
 import dataclasses
-import logging
 import math
 import tempfile
 from pathlib import Path
@@ -45,7 +44,6 @@ from omegaconf import DictConfig, OmegaConf
 from pipeline import run_audit
 from pipeline.canaries import DiracCanaries
 
-log = logging.getLogger(__name__)
 
 VARIANTS = run_audit.VARIANTS + ("one_branch",)
 UNSEEN_BY_DIRAC = "white-box canaries join the sum after clipping: a clipping defect does not touch them"
@@ -115,7 +113,7 @@ def run(seqs, cfg: DictConfig, *, variant: str, canaries: str = "dirac", m: int 
     """One audited training of ``cfg``'s model on ``seqs``: its row (``run_audit.score``). With ``out``,
     it is recorded as an MLflow run with its figure (``run_audit.record``; the caller set the store up)."""
     from pipeline.seqrec import audit as step_audit
-    from pipeline.seqrec import clipping, models, train
+    from pipeline.seqrec import models, train
 
     if canaries not in run_audit.CANARIES:
         raise ValueError(f"unknown canaries {canaries!r}; known: {run_audit.CANARIES}")
@@ -131,10 +129,9 @@ def run(seqs, cfg: DictConfig, *, variant: str, canaries: str = "dirac", m: int 
     used = run_audit.actual_plan(claimed, "engine" if variant == "one_branch" else variant, eps=eps, delta=delta,
                                  accountant=accountant)
     engine = None
-    if variant == "one_branch":
+    if variant == "one_branch":  # the step audit's negative control, the same engine in the whole run
         def engine(model):
-            made = clipping.make(cfg.clipping.name, model, cfg.clipping)
-            return step_audit.OneBranchPhantom(model, made.coef, form=made.form, sum_by=made.sum_by)
+            return step_audit.engine_for("one_branch", model, cfg)
     model, dirac = _train(seqs, cfg, used, variant=variant, dirac_m=m if canaries == "dirac" else None, engine=engine)
     if dirac is not None:
         scores, bits = dirac.scores(), dirac.reveal()  # the bits are read here, after training, only

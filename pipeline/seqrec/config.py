@@ -15,8 +15,7 @@ from omegaconf import DictConfig, ListConfig
 from pipeline import validation
 from pipeline.validation import ConfigError
 from pipeline.seqrec import clipping, data, distraction, memory, models, reattention, synthetic, train
-from pipeline.seqrec.clipping.norms import MODES
-from pipeline.seqrec.clipping.phantom import SUM_BY
+from pipeline.clipping.engine import CHECKS, FORMS as MODES, SUM_BY
 
 ACCOUNTANTS = ("rdp", "prv")  # Opacus accountants that calibrate DP-SGD's noise
 
@@ -95,6 +94,7 @@ def validate(cfg: DictConfig) -> None:
     _num(c.gamma, "clipping.gamma", 0.0, low_open=c.rule == "automatic")  # automatic divides by norm + gamma
     _choice(c.get("norm_form", "auto"), "clipping.norm_form", MODES)
     _choice(c.get("sum_by", "bookkeeping"), "clipping.sum_by", SUM_BY)
+    _choice(c.get("check", "first"), "clipping.check", CHECKS)
     if c.name == "ghost" and m.tied:
         raise ConfigError(f"clipping=ghost with model={m.name}: Ghost Clipping (Opacus) refuses the tied item "
                           "embedding; use model=transformer_untied or transformer_untied_half, or clipping=phantom")

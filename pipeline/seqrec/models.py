@@ -20,12 +20,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pipeline.clipping import register
+from pipeline.clipping.uses import Outer
+
 
 class TiedEmbedding(nn.Module):
     """One item table E (M+1, d), row 0 padding, used twice: called on integer ids it is the
     input lookup (n, T) -> (n, T, d); called on hidden states h (n, T, d) it gives the scores
-    h E[1:]^T (n, T, M) over items 1..M. Phantom Clipping's norm function for this layer sees
-    both calls (``pipeline/seqrec/clipping/norms.py``)."""
+    h E[1:]^T (n, T, M) over items 1..M. Its two uses of E are registered with the shared
+    clipping engine below (``tied_uses``); the engine's norm of E includes their cross term."""
 
     def __init__(self, n_items: int, d: int, init_std: float):
         super().__init__()
@@ -37,6 +40,20 @@ class TiedEmbedding(nn.Module):
         if not x.is_floating_point():
             return F.embedding(x, self.weight, padding_idx=0)
         return x @ self.weight[1:].T
+
+
+@register(TiedEmbedding)
+def tied_uses(layer: TiedEmbedding, x: torch.Tensor, g: torch.Tensor, n: int):
+    """Phantom Clipping's two uses of the item table (``pipeline/clipping``): the lookup,
+    G_i = sum_s onehot(x_s) e_s^T (padding row excluded), and the scores, G_i = sum_t G_t h_t^T on
+    rows 1..M (G the scores' gradient). The engine's norm of E is that of their sum, its cross term
+    sum_{s,t} G[t, x_s] <e_s, h_t> included (the paper's Claim 4.1, corrected: docs/dpformer.md)."""
+    if not x.is_floating_point():
+        ids = x.reshape(n, -1)
+        e = g.reshape(n, ids.shape[1], -1) * (ids != 0).unsqueeze(-1).to(g.dtype)
+        return [(layer.weight, Outer(left=ids, right=e, rows=layer.weight.shape[0], index=True))]
+    h = x.reshape(n, -1, x.shape[-1])
+    return [(layer.weight, Outer(left=g.reshape(n, h.shape[1], -1), right=h, rows=layer.weight.shape[0], offset=1))]
 
 
 class CausalSelfAttention(nn.Module):

@@ -21,10 +21,15 @@ the noise DP-SGD leaves in the parameters.
    constants, which over-estimated block 2's variances up to 1,200-fold at the full Amazon data's
    errors), and means propagated beside the variances from there on (``DPFormer._block``); the
    attention output sum_i a_i V_i treats the (corrected) weights a_i as constants (variance
-   sum_i a_i^2 Var V_i); dropout is ignored. Every block's logit variances are checked against
-   Monte Carlo over noisy parameters (``pipeline/seqrec/perturb.py``): the first block's to Monte
-   Carlo error; the second's medians within 8%, with up to 30% under on 5% of a trained model's
-   logits, which is the covariance between coordinates that the independence assumption drops.
+   sum_i a_i^2 Var V_i); dropout is ignored. These per-coordinate variances feed the next block's
+   values and LayerNorms; its *keys* are read along one direction per query, where the covariance
+   between coordinates (which they drop) adds up: a later block's key variance is instead pulled
+   back along that direction through the block before (``keyvar.Pullback``: the same moments, the
+   covariances of W_v, W_o, the feed-forward and both LayerNorms included; exact against autograd
+   in the delta method's limit). On a trained model the per-coordinate rule put block 2's logit
+   variances at 0.16-0.27 of Monte Carlo at the median (issue 41); pulled back, 0.96-1.25
+   (``benchmarks/reattention_mc.py``). Every block's logit variances are checked against Monte Carlo
+   over noisy parameters (``pipeline/seqrec/perturb.py``, ``tests/test_seqrec_reattention.py``).
 3. Correction (Eq. 5.2): with the query q fixed, the logit <q, K_i> / sqrt(d_h) has variance
    Var_i, and E[exp] = exp(mean) exp(Var_i / 2); S_i <- S_i / exp(Var_i / 2), then renormalise
    (done as logits - Var_i / 2 before the softmax). The paper's Var_i = C sigma_i^2 with
@@ -67,6 +72,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from pipeline.seqrec.keyvar import Pullback
 from pipeline.seqrec.models import Transformer
 
 FORMS = ("propagated", "paper", "off")  # model.reattention.form: the logit variance the correction uses
@@ -95,6 +101,13 @@ def relu_moments(mu: torch.Tensor, var: torch.Tensor) -> tuple[torch.Tensor, tor
     zero = s == 0
     mean = torch.where(zero, mu.clamp(min=0), mean)
     return mean, torch.where(zero, torch.zeros_like(var), (second - mean * mean).clamp(min=0))
+
+
+def relu_slope(mu: torch.Tensor, var: torch.Tensor) -> torch.Tensor:
+    """E[ReLU'(X)] = P(X > 0) = Phi(mu / s), X ~ N(mu, var): by Stein's lemma Cov(ReLU(X), X) = this
+    times Var X, the slope of ReLU's linear part (``keyvar``). var = 0 gives the step 1[mu > 0]."""
+    s = var.clamp(min=0).sqrt()
+    return torch.where(s == 0, (mu > 0).to(mu.dtype), _Phi(mu / s.clamp(min=torch.finfo(mu.dtype).tiny)))
 
 
 _HERMITE = np.polynomial.hermite_e.hermegauss(64)  # probabilists' Gauss-Hermite: E f(Z), Z ~ N(0, 1)
@@ -209,6 +222,11 @@ class DPFormer(Transformer):
         self.block_err = 0.0
         self.register_buffer("item_err", torch.zeros(n_items + 1), persistent=False)
 
+    # a later block's key variance pulled back through the block before (``keyvar``); False: from the
+    # per-coordinate variances alone (earlier releases' rule, which drops the covariances: for
+    # benchmarks/reattention_mc.py's comparison, not a setting)
+    pull_keys = True
+
     def set_errors(self, block: float, items: torch.Tensor) -> None:
         self.block_err = float(block)
         self.item_err = items.to(self.item_err)
@@ -248,13 +266,20 @@ class DPFormer(Transformer):
         wk = attn.k.weight.view(h, dh, d)
         a = q @ wk[None]  # (n, h, T, d): W_k^T q per head
         qq = (q * q).sum(-1, keepdim=True)  # (n, h, T, 1)
-        v = var[:, None]  # (n, 1, T, d)
-        out = (a * a) @ v.transpose(-1, -2) + qq * e2 * (v + x[:, None] ** 2).sum(-1)[:, :, None, :]
+        if isinstance(var, Pullback) and self.pull_keys:  # a later block's keys: along a, through the block before
+            keys, var = var.quadratic(a), var.diag
+        elif isinstance(var, Pullback):  # the per-coordinate rule of earlier releases (a comparison only)
+            var = var.diag
+            keys = (a * a) @ var[:, None].transpose(-1, -2)
+        else:  # the first block's: independent coordinates (its input is the noisy tables)
+            keys = (a * a) @ var[:, None].transpose(-1, -2)
+        out = keys + qq * e2 * (var + x ** 2).sum(-1)[:, None, None, :]
         return (out + qq * e2) / dh
 
     def paper_logit_var(self, attn, x: torch.Tensor, var: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
         """Eq. 5.2's variance: sum_j q_j^2 Var K_ij / d_h, the key's coordinates independent, each with
         its variance by the linear rule (``form=paper``): (n, h, T, T)."""
+        var = var.diag if isinstance(var, Pullback) else var  # the key's coordinates independent
         var_k = attn.split(linear_var(x, var, attn.k.weight, self.block_err, True))  # (n, h, T, d_h)
         return (q * q) @ var_k.transpose(-1, -2) / q.shape[-1]
 
@@ -277,8 +302,9 @@ class DPFormer(Transformer):
         (``layer_norm_moments``) and is no longer the forward's activation."""
         attn, err = block.attn, self.block_err
         q, v, scores = attn.logits(x)
+        pull, var = var, var.diag if isinstance(var, Pullback) else var
         with torch.no_grad():
-            lv, used = self.correction(attn, mean, var, q.detach(), number)
+            lv, used = self.correction(attn, mean, pull, q.detach(), number)
         scores = (scores - used / 2).masked_fill(~allowed[:, None], float("-inf"))
         att = torch.softmax(scores, dim=-1)
         if record is not None:
@@ -301,14 +327,20 @@ class DPFormer(Transformer):
             var_y = attn.merge((a ** 2) @ var_v)
             mean_r = mean + F.linear(mean_y, attn.out.weight, attn.out.bias)
             var_r = var + linear_var(mean_y, var_y, attn.out.weight, err, True)
-            mean_1, var_1 = layer_norm_moments(block.ln1, mean_r, var_r, err)
+            x1, var_xhat1 = normalised_moments(mean_r, var_r, block.ln1.eps)
+            mean_1, var_1 = layer_norm_output(block.ln1, x1, var_xhat1, err)
             mean_pre = F.linear(mean_1, block.ff1.weight, block.ff1.bias)
             var_pre = linear_var(mean_1, var_1, block.ff1.weight, err, True)
             mean_act, var_act = relu_moments(mean_pre, var_pre)
             mean_r2 = mean_1 + F.linear(mean_act, block.ff2.weight, block.ff2.bias)
             var_r2 = var_1 + linear_var(mean_act, var_act, block.ff2.weight, err, True)
-            mean_out, var_out = layer_norm_moments(block.ln2, mean_r2, var_r2, err)
-        return out, mean_out, var_out
+            x2, var_xhat2 = normalised_moments(mean_r2, var_r2, block.ln2.eps)
+            mean_out, var_out = layer_norm_output(block.ln2, x2, var_xhat2, err)
+            slope = relu_slope(mean_pre, var_pre)
+            pull = Pullback(block, err, mean, var, a, mean_y, var_y, x1, expected_scale(mean_r, var_r, block.ln1.eps),
+                            var_xhat1, mean_1, var_1, slope, (var_act - slope * slope * var_pre).clamp(min=0), mean_act,
+                            var_act, x2, expected_scale(mean_r2, var_r2, block.ln2.eps), var_xhat2, var_out)
+        return out, mean_out, pull
 
 
 def normalised_moments(r: torch.Tensor, var_r: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -331,7 +363,7 @@ def normalised_moments(r: torch.Tensor, var_r: torch.Tensor, eps: float) -> tupl
     variance exceeds d - 1. Checked against Monte Carlo from noise 1/100 of the token's scale to 60
     times it (``tests/test_seqrec_reattention.py``)."""
     d = r.shape[-1]
-    s2 = r.var(-1, unbiased=False, keepdim=True) + eps + (1 - 1 / d) * var_r.mean(-1, keepdim=True)
+    s2 = expected_scale(r, var_r, eps)
     x = (r - r.mean(-1, keepdim=True)) / s2.sqrt()
     a = (1 + x * x) / d
     S0 = var_r.sum(-1, keepdim=True)
@@ -341,14 +373,23 @@ def normalised_moments(r: torch.Tensor, var_r: torch.Tensor, eps: float) -> tupl
     return x, var.clamp(min=0, max=d - 1)
 
 
+def expected_scale(r: torch.Tensor, var_r: torch.Tensor, eps: float) -> torch.Tensor:
+    """s^2 = Var_pop(r) + eps + (1 - 1/d) mean(v): the expected squared scale of a noisy token (..., 1)."""
+    return r.var(-1, unbiased=False, keepdim=True) + eps + (1 - 1 / r.shape[-1]) * var_r.mean(-1, keepdim=True)
+
+
+def layer_norm_output(ln, mean_xhat: torch.Tensor, var_xhat: torch.Tensor, err: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """LayerNorm's output moments from x_hat's (``layer_norm_moments``)."""
+    e2 = err * err
+    mean = mean_xhat * ln.weight + ln.bias
+    return mean, var_xhat * (ln.weight ** 2 + e2) + e2 * mean_xhat ** 2 + e2
+
+
 def layer_norm_moments(ln, r: torch.Tensor, var_r: torch.Tensor, err: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Mean and variance of LayerNorm's output y = x_hat gamma + beta for a noisy input of mean r
     and variance var_r (``normalised_moments`` for x_hat), gamma and beta noisy at the block error:
     Var y = (gamma^2 + err^2) Var x_hat + err^2 E[x_hat]^2 + err^2 (independent factors)."""
-    mean_xhat, var_xhat = normalised_moments(r, var_r, ln.eps)
-    e2 = err * err
-    mean = mean_xhat * ln.weight + ln.bias
-    return mean, var_xhat * (ln.weight ** 2 + e2) + e2 * mean_xhat ** 2 + e2
+    return layer_norm_output(ln, *normalised_moments(r, var_r, ln.eps), err)
 
 
 def calibrate(model, rows: torch.Tensor, *, sigma_dp: float, C: float, batch_size: int,

@@ -1,10 +1,11 @@
 """Clipping engines: each turns a batch of users into the clipped sum of their gradients, left in
 ``p.grad`` (noise is added by the training step, ``pipeline/seqrec/train.py``).
 
-``none``: the plain (unclipped) sum, the non-private baseline. ``phantom``: Phantom Clipping (per-user
-norms from ``norms.py``, clipped sum by a second backward pass). ``per_sample``: Opacus's hooks mode,
-per-user gradients instantiated (the reference). ``ghost``: Opacus's fast gradient (Ghost) clipping,
-untied models only.
+``none``: the plain (unclipped) sum, the non-private baseline. ``phantom``: Phantom Clipping, the
+shared engine (``pipeline/clipping``: per-user norms without per-user gradients, the tied item table's
+two uses found and their cross term included, the clipped sum by book-keeping or a second backward
+pass). ``per_sample``: Opacus's hooks mode, per-user gradients instantiated (the reference).
+``ghost``: Opacus's fast gradient (Ghost) clipping, untied models only.
 
 Every engine has ``step(ids, targets) -> (per-user losses, per-user gradient norms or None)``.
 """
@@ -13,31 +14,46 @@ from __future__ import annotations
 
 import torch
 
+from pipeline.clipping.engine import RULES, coefficients
+
 ENGINES = ("none", "phantom", "per_sample", "ghost")
-RULES = ("automatic", "classic")
+__all__ = ["ENGINES", "RULES", "coefficients", "make", "user_losses"]
 
 
-def coefficients(norms: torch.Tensor, *, C: float, rule: str, gamma: float) -> torch.Tensor:
-    """Per-user scale c_i with ||c_i g_i|| <= C.
+def user_losses(model, batch) -> torch.Tensor:
+    """The per-user losses of (ids, targets): the shared engine's ``loss_fn``."""
+    from pipeline.seqrec.models import user_losses as losses
 
-    ``automatic`` (Bu et al., the paper's choice with C = 1): c_i = C / (||g_i|| + gamma).
-    ``classic`` (Eq. 3.1, as Opacus): c_i = min(1, C / (||g_i|| + 1e-6))."""
-    if rule == "automatic":
-        return C / (norms + gamma)
-    if rule == "classic":
-        return (C / (norms + 1e-6)).clamp(max=1.0)
-    raise ValueError(f"unknown clipping rule {rule!r}")
+    ids, targets = batch
+    return losses(model(ids), ids, targets)
+
+
+class Phantom:
+    """The shared engine (``pipeline.clipping.PhantomClipping``) on (ids, targets) batches."""
+    private = True
+
+    def __init__(self, model, clip, engine=None):
+        from pipeline.clipping import PhantomClipping
+
+        self.model = model
+        self.engine = engine or PhantomClipping(
+            model, C=float(clip.C), rule=str(clip.rule), gamma=float(clip.gamma),
+            sum_by=str(clip.get("sum_by", "bookkeeping")), form=str(clip.get("norm_form", "auto")),
+            check=str(clip.get("check", "first")))
+
+    def step(self, ids, targets):
+        return self.engine.step(user_losses, (ids, targets))
 
 
 def make(name: str, model, clip) -> "object":
-    """The engine ``name`` on ``model``; ``clip`` is the ``clipping`` config (C, rule, gamma, norm_form)."""
+    """The engine ``name`` on ``model``; ``clip`` is the ``clipping`` config (C, rule, gamma, norm_form,
+    sum_by, check)."""
     coef = lambda norms: coefficients(norms, C=float(clip.C), rule=clip.rule, gamma=float(clip.gamma))  # noqa: E731
     if name == "none":
         from pipeline.seqrec.clipping.none import NonPrivate
         return NonPrivate(model)
     if name == "phantom":
-        from pipeline.seqrec.clipping.phantom import Phantom
-        return Phantom(model, coef, form=clip.get("norm_form", "auto"), sum_by=clip.get("sum_by", "bookkeeping"))
+        return Phantom(model, clip)
     if name == "per_sample":
         from pipeline.seqrec.clipping.per_sample import PerSample
         return PerSample(model, coef)
