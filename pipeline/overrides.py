@@ -109,7 +109,9 @@ def other_tasks_group(argv: Sequence[str]) -> str | None:
             if not homes or "" in homes or task in homes:
                 continue
             other = homes[0]
-            presets = sorted(p.stem for p in (CONF / other / "experiment").glob("*.yaml"))
+            # the task's quickest preset (``*_ci``) first: the one a user trying the option should run
+            presets = sorted((p.stem for p in (CONF / other / "experiment").glob("*.yaml")),
+                             key=lambda e: (not e.endswith("_ci"), e))
             hint = (f"choose one of its experiments with it ({', '.join(f'experiment={e}' for e in presets[:3])}, "
                     f"...: conf/{other}/experiment/)" if other != tasks.DEFAULT else "drop it")
             own = sorted(p.stem for p in (CONF / task / group).glob("*.yaml"))
