@@ -85,6 +85,18 @@ def _task(argv: Sequence[str]) -> str | None:
     return homes.pop() if len(homes) == 1 else None
 
 
+def _named_key(task: str, group: str) -> str | None:
+    """Where a task's experiment presets set ``group`` as a mapping with a ``name`` (the language
+    model's ``clipping: {name: phantom, C: 1.0}``): that file, relative to the repository, or None."""
+    import yaml
+
+    for path in sorted((CONF / task / "experiment").glob("*.yaml")):
+        node = yaml.safe_load(path.read_text()) or {}
+        if isinstance(node.get(group), dict) and "name" in node[group]:
+            return path.relative_to(CONF.parent).as_posix()
+    return None
+
+
 def other_tasks_group(argv: Sequence[str]) -> str | None:
     """The error message for the first override choosing an option that only other tasks' folders
     have (``model=dpformer`` in a NoisyHead run: Hydra's advice, +model=dpformer, ran NoisyHead and
@@ -115,6 +127,11 @@ def other_tasks_group(argv: Sequence[str]) -> str | None:
             hint = (f"choose one of its experiments with it ({', '.join(f'experiment={e}' for e in presets[:3])}, "
                     f"...: conf/{other}/experiment/)" if other != tasks.DEFAULT else "drop it")
             own = sorted(p.stem for p in (CONF / task / group).glob("*.yaml"))
+            named = _named_key(task, group)
+            if named:  # the running task sets it as a key (the language model's clipping.name), not a group
+                return (f"{arg}: {choice} is an option of the config group {group} of task="
+                        f"{' and task='.join(homes)} only; this command runs task={task}, which chooses it with "
+                        f"the key {group}.name: use {group}.name={choice} ({named})")
             runs = (f"whose {group} options are {own}" if own else "which would ignore it")
             owners = " and ".join(f"task={h}" for h in homes)
             return (f"{arg}: {choice} is an option of the config group {group} of {owners} only "

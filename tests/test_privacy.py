@@ -179,6 +179,25 @@ def test_tight_multiplier_agrees_with_dp_accountings_own_composition(T):
     assert privacy.spent_epsilon(multiplier=composed, T=T, delta=delta) == pytest.approx(acc.get_epsilon(delta), rel=2e-3)
 
 
+def test_dpsgd_calibration_is_opacus_bisection_computed_once_per_setting():
+    """The cached calibration is Opacus's own result, bit for bit, and a second call with the same
+    settings (a cell checked, then run; a grid's cells that differ in a learning rate) does not redo it;
+    a different setting is computed afresh, and the eps spent at the calibrated multiplier meets the target."""
+    from opacus.accountants.utils import get_noise_multiplier
+
+    args = dict(eps=3.0, delta=1e-5, sample_rate=0.0625, steps=37, accountant="rdp")  # a setting no other test uses
+    privacy.dpsgd_noise_multiplier.cache_clear()
+    sigma = privacy.dpsgd_noise_multiplier(**args)
+    assert sigma == get_noise_multiplier(target_epsilon=3.0, target_delta=1e-5, sample_rate=0.0625, steps=37,
+                                         accountant="rdp")
+    assert privacy.dpsgd_noise_multiplier(**args) == sigma
+    assert privacy.dpsgd_noise_multiplier.cache_info()[:2] == (1, 1)  # (hits, misses)
+    assert privacy.dpsgd_noise_multiplier(**{**args, "steps": 38}) > sigma  # more steps, more noise
+    assert privacy.dpsgd_noise_multiplier.cache_info()[:2] == (1, 2)
+    spent = privacy.dpsgd_spent_epsilon(sigma=sigma, delta=1e-5, sample_rate=0.0625, steps=37, accountant="rdp")
+    assert 3.0 - 0.01 <= spent <= 3.0  # Opacus's bisection stops within its tolerance, below the target
+
+
 def test_basic_composition_is_private_and_looser_than_tight():
     eta0, sigma, N, T, eps, delta = 0.0649, 106.1, 1000, 44, 0.2, 1e-5
     Delta = privacy.step_sensitivity(eta0=eta0, sigma=sigma, N=N)
