@@ -9,7 +9,7 @@ import html
 import re
 import math
 from pathlib import Path
-from typing import Sequence
+from typing import Mapping, Sequence
 
 import pandas as pd
 
@@ -128,13 +128,16 @@ def _swept_note(swept: dict[str, list[str]] | None) -> list[str]:
 def write_html(path: Path, title: str, command: str, config_yaml: str, table: pd.DataFrame,
                figures: Sequence[Path], runs: Sequence[tuple[str, str, dict]], parent: str | None = None,
                caption: str = "mean (sd) across trials, one row per cell in sweep order",
-               swept: dict[str, list[str]] | None = None) -> Path:
+               swept: dict[str, list[str]] | None = None, tables: Sequence[tuple[str, pd.DataFrame]] = (),
+               captions: Mapping[str, str] | None = None) -> Path:
     """``report.html``: self-contained (every figure inlined), readable without a server. ``runs``:
     per cell, its name, MLflow run id and what it ran on (``Cell.finished``'s ``compute``): the
     cells table shows the device (its name, and the torch device: ``cuda:0``), the cell's
     seconds, seconds per epoch (DPFormer) and peak memory (of the GPU; on the CPU, the process's
     peak resident set). ``swept`` (``grid`` of the cells' overrides): the keys the cells vary, said
-    above the config, which is the first cell's."""
+    above the config, which is the first cell's. ``tables``: more tables after the results, each
+    with its caption (the paired gains and their verdicts); ``captions``: what a figure shows and
+    what its bars are, by the figure's file name."""
     esc = html.escape
     parts = [
         "<!doctype html><html><head><meta charset='utf-8'>",
@@ -147,12 +150,16 @@ def write_html(path: Path, title: str, command: str, config_yaml: str, table: pd
         parts.append(f"{VOLATILE[0]}<p>MLflow parent run: <code>{esc(parent)}</code></p>{VOLATILE[1]}")
     parts += [f"<h2>Command</h2><pre>{esc(command)}</pre>",
               f"<h2>Results</h2><p>{esc(caption)}</p>",
-              table.to_html(index=False, escape=True, border=0, classes="results"),
-              "<h2>Figures</h2>"]
+              table.to_html(index=False, escape=True, border=0, classes="results")]
+    for text, extra in tables:
+        parts += [f"<p>{esc(text)}</p>", extra.to_html(index=False, escape=True, border=0, classes="results")]
+    parts.append("<h2>Figures</h2>")
     for fig in figures:
         data = base64.b64encode(Path(fig).read_bytes()).decode("ascii")
+        name = Path(fig).name
+        said = f"{name}: {(captions or {})[name]}" if name in (captions or {}) else name
         parts.append(f"<figure><img alt='{esc(Path(fig).stem)}' src='data:image/png;base64,{data}'>"
-                     f"<figcaption>{esc(Path(fig).name)}</figcaption></figure>")
+                     f"<figcaption>{esc(said)}</figcaption></figure>")
     shown = [k for k in COMPUTE if any(compute.get(k) is not None for _, _, compute in runs)]
     parts.append(f"<h2>Cells</h2>{VOLATILE[0]}<table class='runs'><tr><th>cell</th><th>MLflow run id</th>"
                  + "".join(f"<th>{esc(COMPUTE[k])}</th>" for k in shown) + "</tr>")

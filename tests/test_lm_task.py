@@ -226,6 +226,9 @@ def test_a_tying_sweep_of_the_ci_preset_runs_end_to_end(run_cli):
     gains = pd.read_csv(sweep_dir / "gains.csv")
     assert gains["seeds"].tolist() == [2] and set(gains["verdict"]) <= {"reproduced", "contradicted", "inconclusive", "no DP-SGD"}
     assert (sweep_dir / "report.html").is_file() and "Tying's relative perplexity gain" in (sweep_dir / "table.md").read_text()
+    page = (sweep_dir / "report.html").read_text()  # the report holds the gains and their verdicts too
+    assert "<p>Tying&#x27;s relative perplexity gain" in page and "<th>verdict</th>" in page
+    assert "<figcaption>perplexity.png: test perplexity against eps" in page
 
 
 @pytest.mark.slow

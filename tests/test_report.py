@@ -95,6 +95,24 @@ def test_report_html_says_which_keys_the_cells_vary(tmp_path):
     assert html.index("across the cells") < html.index("N: 1000")
 
 
+def test_report_html_shows_the_extra_tables_and_says_what_each_figure_shows(tmp_path):
+    """The paired gains and their verdicts were in table.md only (the report said so); figures were
+    captioned with their file names. A table passed with its caption follows the results; a figure
+    with a caption says what it shows and what its bars are, one without keeps its name."""
+    pngs = [tmp_path / "curves.png", tmp_path / "other.png"]
+    for png in pngs:
+        png.write_bytes(b"\x89PNG\r\n\x1a\n")
+    table = pd.DataFrame({"model": ["tied"]})
+    gains = pd.DataFrame({"eps": ["1"], "gain": ["+3.0%"], "verdict": ["inconclusive"]})
+    page = report.write_html(tmp_path / "report.html", "t", "python -m pipeline -m", "seed: 0\n", table, pngs, [],
+                             tables=[("Tying's gain <paired>", gains)], captions={"curves.png": "mean, bars +-1 sd"})
+    html = page.read_text()
+    assert "<p>Tying&#x27;s gain &lt;paired&gt;</p>" in html and "<td>inconclusive</td>" in html
+    assert html.index("<td>tied</td>") < html.index("<td>inconclusive</td>") < html.index("<h2>Figures</h2>")
+    assert "<figcaption>curves.png: mean, bars +-1 sd</figcaption>" in html
+    assert "<figcaption>other.png</figcaption>" in html
+
+
 def test_collect_returns_cells_in_grid_order_not_folder_order(tmp_path):
     jobs = [[f"regime.N={n}"] for n in range(20, 32)]  # job folders 0..11: lexicographic would put 10, 11 after 1
     for i, job in enumerate(jobs):

@@ -153,6 +153,8 @@ def test_gains_are_paired_over_seeds_with_a_t_interval_and_a_verdict():
     assert list(out["verdict"]) == ["reproduced", "smaller than claimed", "contradicted", "inconclusive"]
     text = sweep.gains_markdown(out.reset_index(), 10)
     assert "| dpformer | 5 | 4 | +10.0% | [+7.4%, +12.6%] | smaller than claimed |" in text
+    shown = sweep.gains_shown(out.reset_index())  # the same rows in report.html
+    assert shown.iloc[1].tolist() == ["dpformer", "5", 4, "+10.0%", "[+7.4%, +12.6%]", "smaller than claimed"]
 
 
 def test_a_gain_that_excludes_both_zero_and_the_claim_is_smaller_than_claimed():

@@ -38,6 +38,15 @@ def curves(frame: pd.DataFrame, path: Path, title: str = "") -> Path:
     return save(fig, path)
 
 
+CAPTIONS = {  # what each of a sweep's figures shows and what its bars are (report.html's captions)
+    "perplexity.png": "test perplexity against eps, tied and untied at their learning rates selected on validation: "
+                      "the mean over seeds with bars of +-1 sd over seeds (tied and untied drawn slightly apart); "
+                      "the DP unigram model dashed, the unigram model dotted",
+    "buckets.png": "tying's relative perplexity gain per frequency bucket against eps: the mean over paired seeds with "
+                   "its 95% t interval as bars",
+}
+
+
 def tying_figure(long: pd.DataFrame, path: Path) -> Path:
     """Test perplexity against eps (non-private at the right): tied and untied, mean and +-1 sd over
     seeds (bars), the DP unigram model (dashed, its own eps) and the unigram model (dotted)."""

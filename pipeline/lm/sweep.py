@@ -157,6 +157,29 @@ def _fmt(mean: float, sd: float, digits: int = 1) -> str:
     return f"{mean:.{digits}f}" if pd.isna(sd) else f"{mean:.{digits}f} ({sd:.{digits}f})"
 
 
+def gain_tables(paired: pd.DataFrame, buckets: pd.DataFrame) -> list[tuple[str, pd.DataFrame]]:
+    """Tying's paired gains and their verdicts, then the same per frequency bucket, as table.md and
+    report.html show them: (caption, table) for each that has rows."""
+    def interval(r) -> str:
+        return "" if math.isnan(r.ci_low) else f"[{100 * r.ci_low:+.1f}%, {100 * r.ci_high:+.1f}%]"
+
+    def where(r) -> str:
+        return f"{eps_label(r.eps)} ({r.setting})" if r.setting else eps_label(r.eps)
+
+    out = []
+    if len(paired):
+        out.append((f"Tying's relative perplexity gain, 1 - ppl(tied) / ppl(untied), paired over seeds (mean and "
+                    f"{LEVEL:.0%} t interval); DPFormer's claim: tying is essential under DP-SGD",
+                    pd.DataFrame([(where(r), r.seeds, f"{100 * r.gain_mean:+.1f}%", interval(r), r.verdict)
+                                  for r in paired.itertuples()], columns=["eps", "seeds", "gain", "interval", "verdict"])))
+    if len(buckets):
+        out.append(("The same gain per frequency bucket (head: the tokens of the first 50% of training targets, "
+                    "torso: to 90%, tail: the rest and unseen)",
+                    pd.DataFrame([(r.bucket, where(r), r.seeds, f"{100 * r.gain_mean:+.1f}%", interval(r))
+                                  for r in buckets.itertuples()], columns=["bucket", "eps", "seeds", "gain", "interval"])))
+    return out
+
+
 def markdown(long: pd.DataFrame, paired: pd.DataFrame, buckets: pd.DataFrame, scale: str) -> str:
     eps = sorted(long["eps"].unique(), key=lambda e: (math.isinf(e), e))
     head = ["model", *(f"eps={eps_label(e)}" for e in eps)]
@@ -174,21 +197,9 @@ def markdown(long: pd.DataFrame, paired: pd.DataFrame, buckets: pd.DataFrame, sc
             cells.append(f"{_fmt(r['perplexity_mean'], r['perplexity_sd'])}{star} / {100 * r['accuracy_mean']:.1f}")
         lines.append(f"| {model}{f' ({setting})' if setting else ''} | " + " | ".join(cells) + " |")
     text = "\n".join(lines) + "\n"
-    if len(paired):
-        text += (f"\nTying's relative perplexity gain, 1 - ppl(tied) / ppl(untied), paired over seeds (mean and "
-                 f"{LEVEL:.0%} t interval); DPFormer's claim: tying is essential under DP-SGD\n\n"
-                 "| eps | seeds | gain | interval | verdict |\n|---|---|---|---|---|\n")
-        for r in paired.itertuples():
-            interval = "" if math.isnan(r.ci_low) else f"[{100 * r.ci_low:+.1f}%, {100 * r.ci_high:+.1f}%]"
-            where = f"{eps_label(r.eps)} ({r.setting})" if r.setting else eps_label(r.eps)
-            text += f"| {where} | {r.seeds} | {100 * r.gain_mean:+.1f}% | {interval} | {r.verdict} |\n"
-    if len(buckets):
-        text += "\nThe same gain per frequency bucket (head: the tokens of the first 50% of training targets, " \
-                "torso: to 90%, tail: the rest and unseen)\n\n| bucket | eps | seeds | gain | interval |\n|---|---|---|---|---|\n"
-        for r in buckets.itertuples():
-            interval = "" if math.isnan(r.ci_low) else f"[{100 * r.ci_low:+.1f}%, {100 * r.ci_high:+.1f}%]"
-            where = f"{eps_label(r.eps)} ({r.setting})" if r.setting else eps_label(r.eps)
-            text += f"| {r.bucket} | {where} | {r.seeds} | {100 * r.gain_mean:+.1f}% | {interval} |\n"
+    for caption, frame in gain_tables(paired, buckets):
+        text += f"\n{caption}\n\n| " + " | ".join(frame.columns) + " |\n|" + "---|" * len(frame.columns) + "\n"
+        text += "".join(f"| {' | '.join(str(v) for v in row)} |\n" for row in frame.itertuples(index=False))
     return text
 
 
@@ -238,8 +249,9 @@ def summarise(config: DictConfig, sweep_id: str, sweep_dir: Path, cells: sweep.C
     page = reporting.write_html(sweep_dir / "report.html", f"{name}: {len(cells.done)} cells", sweep.command(),
                                 OmegaConf.to_yaml(shown), frame, figures, runs,
                                 caption="test perplexity and accuracy, mean (sd) over seeds, each model at its learning "
-                                        "rate selected on validation; table.md holds the paired gains and verdicts",
-                                swept=reporting.grid(overrides))
+                                        "rate selected on validation",
+                                swept=reporting.grid(overrides), tables=gain_tables(paired, buckets),
+                                captions=plot.CAPTIONS)
     artifacts.append(page)
     def key(setting: str) -> str:
         return f"{setting.replace(', ', '.').replace('=', '_')}." if setting else ""

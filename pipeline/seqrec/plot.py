@@ -119,6 +119,21 @@ def _legend_columns(labels, width_inches: float) -> int:
     return max(1, min(len(labels), int(width_inches / (0.06 * widest + 0.5))))
 
 
+def captions(k: int = 10) -> dict[str, str]:
+    """What each of a sweep's figures shows and what its bars are (report.html's captions)."""
+    return {
+        "test_metrics.png": f"test NDCG@{k} and HIT@{k} (%) against eps: per model, the mean over its cells at each "
+                            "eps (its seeds, and in a tuning grid every setting), no bars; the most-popular baseline dashed",
+        "curves.png": f"validation NDCG@{k} and HIT@{k} (%) per epoch, the mean over seeds with a band of +-1 sd over "
+                      "seeds; one panel per eps",
+        "grid.png": f"mean validation (top) and test (bottom) NDCG@{k} (%) over the (learning rate, batch size) grid, "
+                    "one column per model and eps, each heatmap on its own colour scale; the red box is the setting "
+                    "selected on validation",
+        "attention.png": "the last block's attention mass on the positions that drove the test target against eps, "
+                         "the mean over seeds with bars of +-1 sd over seeds; uniform attention dashed",
+    }
+
+
 def curves_figure(curves: pd.DataFrame, path: Path, k: int = 10) -> Path:
     """Figure 6: validation NDCG@k and HIT@k per epoch, mean and a +-1 sd band over seeds, one line
     per model; one column of panels per eps."""

@@ -153,14 +153,24 @@ def gains(results: pd.DataFrame, long: pd.DataFrame, k: int, paper: float, level
                                       "verdict"])
 
 
-def gains_markdown(frame: pd.DataFrame, k: int, level: float = 0.95, reference: str = VANILLA) -> str:
+def gains_caption(frame: pd.DataFrame, k: int, level: float = 0.95, reference: str = VANILLA) -> str:
     over = "the vanilla Transformer" if reference == VANILLA else reference
-    lines = [f"Re-Attention's relative gain in test NDCG@{k} over {over}, paired over seeds "
-             f"(mean and {level:.0%} t interval; the paper: about +{100 * frame['paper_gain'].iloc[0]:.0f}%)\n",
+    return (f"Re-Attention's relative gain in test NDCG@{k} over {over}, paired over seeds "
+            f"(mean and {level:.0%} t interval; the paper: about +{100 * frame['paper_gain'].iloc[0]:.0f}%)")
+
+
+def gains_shown(frame: pd.DataFrame) -> pd.DataFrame:
+    """The paired gains as table.md and report.html show them: percentages, the interval, the verdict."""
+    rows = [{"variant": r.variant, "eps": eps_label(r.eps), "seeds": r.seeds, "gain": f"{100 * r.gain_mean:+.1f}%",
+             "interval": "" if math.isnan(r.ci_low) else f"[{100 * r.ci_low:+.1f}%, {100 * r.ci_high:+.1f}%]",
+             "verdict": r.verdict} for r in frame.itertuples()]
+    return pd.DataFrame(rows, columns=["variant", "eps", "seeds", "gain", "interval", "verdict"])
+
+
+def gains_markdown(frame: pd.DataFrame, k: int, level: float = 0.95, reference: str = VANILLA) -> str:
+    lines = [gains_caption(frame, k, level, reference) + "\n",
              "| variant | eps | seeds | gain | interval | verdict |", "|---|---|---|---|---|---|"]
-    for r in frame.itertuples():
-        interval = "" if math.isnan(r.ci_low) else f"[{100 * r.ci_low:+.1f}%, {100 * r.ci_high:+.1f}%]"
-        lines.append(f"| {r.variant} | {eps_label(r.eps)} | {r.seeds} | {100 * r.gain_mean:+.1f}% | {interval} | {r.verdict} |")
+    lines += [f"| {' | '.join(str(v) for v in r)} |" for r in gains_shown(frame).itertuples(index=False)]
     return "\n".join(lines) + "\n"
 
 
@@ -264,14 +274,17 @@ def summarise(config: DictConfig, sweep_id: str, sweep_dir: Path, cells: sweep.C
     runs = [(" ".join(r.get("overrides") or []), r["run_id"], r.get("compute") or {}) for r in cells.done]
     if picks is None:
         caption = (f"test NDCG@{k} and HIT@{k} (%), mean (sd) over seeds: one row per model, one column per eps "
-                   f"(table.md holds the same, and the paired gains)")
+                   f"(table.md holds the same)")
     else:
         caption = (f"per model and eps: the (learning rate, batch size) with the best mean validation NDCG@{k}, its "
                    f"validation and test NDCG@{k} (%), means over seeds; beside it the best-on-test setting (the "
                    f"paper's protocol, for comparison only)")
+    tables = [(gains_caption(paired, k, reference=reference) + ", verdict against the paper's claim",
+               gains_shown(paired))] if len(paired) else []
     page = reporting.write_html(sweep_dir / "report.html", f"{name}: {len(cells.done)} cells", sweep.command(),
                                 config_yaml, shown, figures, runs, caption=caption,
-                                swept=reporting.grid([r.get("overrides") or [] for r in cells.done]))
+                                swept=reporting.grid([r.get("overrides") or [] for r in cells.done]),
+                                tables=tables, captions=plot.captions(k))
     artifacts.append(page)
     metrics = {f"{row.model.replace(f' ({NON_PRIVATE})', '.nonprivate')}.eps_{eps_label(row.eps)}.test_ndcg{k}":
                row._asdict()[f"ndcg{k}_mean"]
