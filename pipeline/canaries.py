@@ -87,15 +87,3 @@ class DiracCanaries:
     def reveal(self) -> np.ndarray:
         """The inclusion bits: for scoring, after training."""
         return self._included.copy()
-
-
-def resume(canaries: DiracCanaries | None, state: dict, checkpoint) -> None:
-    """A training's checkpoint ``state`` resumed with or without canaries: an audited run resumes only an
-    audited run's checkpoint (its canaries' sums restored), and a plain run never resumes one (its model
-    and sums hold the canaries' contributions)."""
-    if canaries is not None:
-        if state.get("canaries") is None:
-            raise ValueError(f"{checkpoint} holds no canaries' state: an audited run resumes only its own checkpoint")
-        canaries.load_state(state["canaries"])
-    elif state.get("canaries") is not None:  # its sums held canaries: no model of a plain run
-        raise ValueError(f"{checkpoint} is an audited run's (its sums held canaries): a plain run does not resume it")

@@ -131,7 +131,7 @@ def other_tasks_group(argv: Sequence[str]) -> str | None:
             if named:  # the running task sets it as a key (the language model's clipping.name), not a group
                 return (f"{arg}: {choice} is an option of the config group {group} of task="
                         f"{' and task='.join(homes)} only; this command runs task={task}, which chooses it with "
-                        f"the key {group}.name: use {group}.name={choice} ({named})")
+                        f"the key {group}.name: use {group}.name={value} ({named})")
             runs = (f"whose {group} options are {own}" if own else "which would ignore it")
             owners = " and ".join(f"task={h}" for h in homes)
             return (f"{arg}: {choice} is an option of the config group {group} of {owners} only "

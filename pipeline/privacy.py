@@ -157,7 +157,6 @@ def ssp_sensitivity(*, C: float, G: float) -> float:
     return math.sqrt(2 * G**4 + 2 * C**2 * G**2 + C**4 / 2)
 
 
-@functools.lru_cache(maxsize=1024)
 def dpsgd_noise_multiplier(*, eps: float, delta: float, sample_rate: float, steps: int, accountant: str) -> float:
     """DP-SGD: Opacus's accountant's smallest noise multiplier (to its tolerance) for which T steps of
     the Poisson-subsampled Gaussian mechanism at ``sample_rate`` meet (eps, delta).
@@ -165,7 +164,16 @@ def dpsgd_noise_multiplier(*, eps: float, delta: float, sample_rate: float, step
     A pure function of its arguments, cached: Opacus's bisection (about 17 RDP evaluations at 150
     orders, most of them fractional, in Python) took 0.7-2.5 s a call on CI's cores, paid once when a
     sweep validates a cell and again when the cell runs, and once per cell of a tuning grid whose cells
-    differ in a learning rate only; it was most of a CI-sized cell's time."""
+    differ in a learning rate only; it was most of a CI-sized cell's time. The arguments are made plain
+    floats, an int and a str first, so that equal keys are equal inputs (a float32 or a float step count
+    would hash as its float64 twin)."""
+    if int(steps) != steps:
+        raise ValueError(f"steps must be a whole number, got {steps!r}")
+    return _noise_multiplier(float(eps), float(delta), float(sample_rate), int(steps), str(accountant))
+
+
+@functools.lru_cache(maxsize=1024)
+def _noise_multiplier(eps: float, delta: float, sample_rate: float, steps: int, accountant: str) -> float:
     import warnings
 
     from opacus.accountants.utils import get_noise_multiplier
@@ -176,9 +184,16 @@ def dpsgd_noise_multiplier(*, eps: float, delta: float, sample_rate: float, step
                                     steps=steps, accountant=accountant)
 
 
-@functools.lru_cache(maxsize=1024)
 def dpsgd_spent_epsilon(*, sigma: float, delta: float, sample_rate: float, steps: int, accountant: str) -> float:
-    """DP-SGD: the eps Opacus's accountant reports for the run actually made (cached: a pure function)."""
+    """DP-SGD: the eps Opacus's accountant reports for the run actually made (cached: a pure function of
+    its arguments as plain floats, an int and a str)."""
+    if int(steps) != steps:
+        raise ValueError(f"steps must be a whole number, got {steps!r}")
+    return _spent_epsilon(float(sigma), float(delta), float(sample_rate), int(steps), str(accountant))
+
+
+@functools.lru_cache(maxsize=1024)
+def _spent_epsilon(sigma: float, delta: float, sample_rate: float, steps: int, accountant: str) -> float:
     import warnings
 
     from opacus.accountants.utils import create_accountant

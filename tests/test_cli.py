@@ -342,10 +342,11 @@ def test_a_group_of_the_other_task_is_refused_naming_it():
     assert message.endswith("runs task=seqrec, which would ignore it; drop it"), message
     assert other_tasks_group(["task=seqrec", "method=[ridge]"]).startswith("method=[ridge]: ridge is an option")
     # the language model chooses its engine with a key, not a group: the message says which key
-    message = other_tasks_group(["experiment=lm_ci", "clipping=ghost"])
-    assert message.startswith("clipping=ghost: ghost is an option of the config group clipping of task=seqrec"), message
-    assert message.endswith("runs task=lm, which chooses it with the key clipping.name: use clipping.name=ghost "
+    message = other_tasks_group(["experiment=lm_ci", "clipping=per_sample"])
+    assert message.startswith("clipping=per_sample: per_sample is an option of the config group clipping of task=seqrec"), message
+    assert message.endswith("runs task=lm, which chooses it with the key clipping.name: use clipping.name=per_sample "
                             "(conf/lm/experiment/lm_cpu.yaml)"), message
+    assert "use clipping.name=phantom,per_sample (" in other_tasks_group(["experiment=lm_ci", "clipping=phantom,per_sample"])
     # a group several tasks have is judged by option: the running task's own options are named
     message = other_tasks_group(["task=seqrec", "dataset=newsgroups"])
     assert message.startswith("dataset=newsgroups: newsgroups is an option of the config group dataset of task=noisyhead"), message

@@ -186,14 +186,21 @@ def test_dpsgd_calibration_is_opacus_bisection_computed_once_per_setting():
     from opacus.accountants.utils import get_noise_multiplier
 
     args = dict(eps=3.0, delta=1e-5, sample_rate=0.0625, steps=37, accountant="rdp")  # a setting no other test uses
-    privacy.dpsgd_noise_multiplier.cache_clear()
+    privacy._noise_multiplier.cache_clear()
     sigma = privacy.dpsgd_noise_multiplier(**args)
     assert sigma == get_noise_multiplier(target_epsilon=3.0, target_delta=1e-5, sample_rate=0.0625, steps=37,
                                          accountant="rdp")
     assert privacy.dpsgd_noise_multiplier(**args) == sigma
-    assert privacy.dpsgd_noise_multiplier.cache_info()[:2] == (1, 1)  # (hits, misses)
+    assert privacy._noise_multiplier.cache_info()[:2] == (1, 1)  # (hits, misses)
     assert privacy.dpsgd_noise_multiplier(**{**args, "steps": 38}) > sigma  # more steps, more noise
-    assert privacy.dpsgd_noise_multiplier.cache_info()[:2] == (1, 2)
+    assert privacy._noise_multiplier.cache_info()[:2] == (1, 2)
+    import numpy as np  # the same setting in other types (a float32 rate, a float step count) is the same key
+    assert privacy.dpsgd_noise_multiplier(**{**args, "eps": 3, "steps": 37.0}) == sigma
+    assert privacy._noise_multiplier.cache_info()[:2] == (2, 2)
+    with pytest.raises(ValueError, match="whole number"):
+        privacy.dpsgd_noise_multiplier(**{**args, "steps": 37.5})
+    assert np.float32(0.0625) == 0.0625  # exact in float32: the key below is the same
+    assert privacy.dpsgd_noise_multiplier(**{**args, "sample_rate": np.float32(0.0625)}) == sigma
     spent = privacy.dpsgd_spent_epsilon(sigma=sigma, delta=1e-5, sample_rate=0.0625, steps=37, accountant="rdp")
     assert 3.0 - 0.01 <= spent <= 3.0  # Opacus's bisection stops within its tolerance, below the target
 

@@ -22,7 +22,6 @@ from typing import Callable
 import torch
 
 from pipeline import checkpoints
-from pipeline.canaries import resume as resume_canaries
 from pipeline.lm import engines, streams
 from pipeline.validation import RunFailed
 
@@ -129,7 +128,12 @@ def run(model, rows: torch.Tensor, mask: torch.Tensor, run_plan: Plan, *, engine
         sampler.set_state(state["sampler"])
         gen.set_state(state["noise"])
         torch.set_rng_state(state["cpu_rng"])
-        resume_canaries(canaries, state, checkpoint)
+        if canaries is not None:
+            if state.get("canaries") is None:
+                raise ValueError(f"{checkpoint} holds no canaries' state: an audited run resumes only its own checkpoint")
+            canaries.load_state(state["canaries"])
+        elif state.get("canaries") is not None:  # its sums held canaries: no model of a plain run
+            raise ValueError(f"{checkpoint} is an audited run's (its sums held canaries): a plain run does not resume it")
         history = History(**state["history"])
         first = int(state["epoch"]) + 1
         log.info("resume: %s holds epoch %d of %d; continuing from epoch %d", checkpoint, first - 1, epochs, first)

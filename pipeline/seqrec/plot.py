@@ -124,13 +124,15 @@ def captions(k: int = 10) -> dict[str, str]:
     return {
         "test_metrics.png": f"test NDCG@{k} and HIT@{k} (%) against eps: per model, the mean over its cells at each "
                             "eps (its seeds, and in a tuning grid every setting), no bars; the most-popular baseline dashed",
-        "curves.png": f"validation NDCG@{k} and HIT@{k} (%) per epoch, the mean over seeds with a band of +-1 sd over "
-                      "seeds; one panel per eps",
+        "curves.png": f"validation NDCG@{k} (top) and HIT@{k} (bottom, %) per epoch, one column per eps: the mean over "
+                      "seeds with a band of +-1 sd over seeds, one line per model and (in a tuning grid) per (learning "
+                      "rate, batch size)",
         "grid.png": f"mean validation (top) and test (bottom) NDCG@{k} (%) over the (learning rate, batch size) grid, "
                     "one column per model and eps, each heatmap on its own colour scale; the red box is the setting "
                     "selected on validation",
-        "attention.png": "the last block's attention mass on the positions that drove the test target against eps, "
-                         "the mean over seeds with bars of +-1 sd over seeds; uniform attention dashed",
+        "attention.png": "the last block's attention mass on the positions that drove the test target against eps: "
+                         "per model, the mean over its cells at each eps (its seeds, and in a tuning grid every setting) "
+                         "with bars of +-1 sd over them; uniform attention dashed",
     }
 
 

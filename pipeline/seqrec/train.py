@@ -27,7 +27,6 @@ from omegaconf import OmegaConf
 from tqdm import tqdm
 
 from pipeline import privacy
-from pipeline.canaries import resume as resume_canaries
 from pipeline.validation import RunFailed
 from pipeline.seqrec import checkpoint as checkpoints
 from pipeline.seqrec import clipping, models, reattention
@@ -260,7 +259,12 @@ def run(seqs, cfg, run_plan: Plan, on_epoch: Callable[[int, dict], None] | None 
     state = checkpoints.load(checkpoint, key) if resume else None
     if state is not None:
         checkpoints.restore(state, model=model, opt=opt, sched=sched, gen=gen)
-        resume_canaries(dirac, state, checkpoint)
+        if dirac is not None:
+            if state.get("canaries") is None:
+                raise ValueError(f"{checkpoint} holds no canaries' state: an audited run resumes only its own checkpoint")
+            dirac.load_state(state["canaries"])
+        elif state.get("canaries") is not None:  # its sums held canaries: no model of a plain run
+            raise ValueError(f"{checkpoint} is an audited run's (its sums held canaries): a plain run does not resume it")
         history = History(**state["history"] | {"resumed_from": int(state["epoch"])})
         first = int(state["epoch"]) + 1
         log.info("resume: %s holds epoch %d of %d; continuing from epoch %d", checkpoint, state["epoch"],
