@@ -93,7 +93,7 @@ def _dpformer_artifacts(repo: Path) -> None:
     assert len(json.loads((repo / "artifacts/dpformer_fig3/efficiency.json").read_text())) == 4  # one row per engine
     page = (repo / "artifacts/dpformer_table1/report.html").read_text()  # the paired gains and verdicts, figures captioned
     assert "<p>Re-Attention&#x27;s relative gain in test NDCG@10" in page and "<th>verdict</th>" in page
-    assert "<figcaption>curves.png: validation NDCG@10 and HIT@10 (%) per epoch, the mean over seeds" in page
+    assert "<figcaption>curves.png: validation NDCG@10 (top) and HIT@10 (bottom, %) per epoch" in page
     table1 = (repo / "artifacts/dpformer_table1/results.csv").read_text()
     assert "attention_relevant" in table1 and "eps" in table1
     assert "non-private" in (repo / "artifacts/dpformer_table2/nonprivate/table.md").read_text()
