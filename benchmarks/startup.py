@@ -12,6 +12,12 @@ later runs pay). Printed: wall seconds of each (median, min, max), and for the c
 went, read off one ``-X importtime`` run (torch, MLflow, the privacy accountant, plotting).
 The targets (issue 36): the three refusals and ``--help`` at most 1 s, the cell at most 5 s, on an
 idle two-core machine.
+
+Then, in this process, DP-SGD's calibration (``pipeline.privacy``'s cached accountant calls) for the
+plan of a DPFormer cell (``seqrec.train.plan``: noise multiplier and spent eps) at the CI preset and at
+the CPU presets' Figure 2: the first call (the cache cleared, Opacus's bisection paid) against a repeat
+(what a cell pays after its sweep's validation calibrated it, and what a tuning grid's cells that differ
+in a learning rate only pay).
 """
 
 from __future__ import annotations
@@ -68,6 +74,43 @@ def import_shares(scratch: Path) -> dict[str, float]:
     return found
 
 
+CALIBRATED = {  # name -> overrides of a DPFormer cell whose plan is calibrated; n_users from its dataset
+    "dpformer_ci": ["experiment=dpformer_ci"],
+    "dpformer_fig2 (eps 5)": ["experiment=dpformer_fig2", "model=dpformer", "seqrec.batch_size=128"],
+}
+
+
+def calibration(repeats: int) -> dict[str, tuple[float, float]]:
+    """name -> (seconds of a first plan, median seconds of a repeated plan), in this process, after a
+    plan at other settings has paid for the imports."""
+    from hydra import compose, initialize_config_dir
+
+    from pipeline import privacy
+    from pipeline.seqrec import train
+
+    out = {}
+    with initialize_config_dir(str(ROOT / "conf"), version_base="1.3"):
+        configs = {name: compose("config", overrides=overrides) for name, overrides in CALIBRATED.items()}
+        warm = configs["dpformer_ci"]
+        train.plan(warm, int(warm.dataset.n_users) + 1)  # the imports (Opacus's accountants), not counted
+        for name, cfg in configs.items():
+            n_users = int(cfg.dataset.n_users)
+            first = []
+            for _ in range(repeats):
+                privacy._noise_multiplier.cache_clear()
+                privacy._spent_epsilon.cache_clear()
+                start = time.perf_counter()
+                train.plan(cfg, n_users)
+                first.append(time.perf_counter() - start)
+            again = []
+            for _ in range(repeats):
+                start = time.perf_counter()
+                train.plan(cfg, n_users)
+                again.append(time.perf_counter() - start)
+            out[name] = (statistics.median(first), statistics.median(again))
+    return out
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=5)
@@ -85,6 +128,9 @@ def main(argv: list[str] | None = None) -> None:
         shares = import_shares(scratch)
         print("the cell's imports (s, cumulative at first import): "
               + ", ".join(f"{k} {v:.2f}" for k, v in sorted(shares.items(), key=lambda kv: -kv[1])))
+    print(f"\n{'DP-SGD calibration of a cell':34} {'first':>9} {'repeated':>9}  (s, median of {args.repeats})")
+    for name, (first, again) in calibration(args.repeats).items():
+        print(f"{name:34} {first:9.3f} {again:9.6f}", flush=True)
 
 
 if __name__ == "__main__":
