@@ -4,6 +4,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import forkserver
 import mlflow
 import pytest
 import torch
@@ -78,14 +79,16 @@ def cfg_for():
 
 @pytest.fixture
 def run_cli(tmp_path):
-    """Run `python -m pipeline ...` into a temporary MLflow store and output folder."""
+    """Run `python -m pipeline ...` into a temporary MLflow store and output folder (forked from a
+    server that has the heavy packages imported: tests/forkserver.py; PIPELINE_TESTS_FORK=0 launches a
+    fresh interpreter each time)."""
     store = f"sqlite:///{tmp_path / 'mlflow.db'}"
 
     def run(*args: str, expect_ok: bool = True):
-        cmd = [sys.executable, "-m", "pipeline", f"mlflow.tracking_uri={store}",
+        cmd = ["-m", "pipeline", f"mlflow.tracking_uri={store}",
                f"hydra.run.dir={tmp_path / 'run'}", f"hydra.sweep.dir={tmp_path / 'sweep'}", *args]
         env = dict(os.environ, PYTHONWARNINGS="ignore")
-        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env, timeout=600)
+        proc = forkserver.run(cmd, cwd=ROOT, env=env, timeout=600)
         if expect_ok:
             assert proc.returncode == 0, proc.stderr[-3000:]
         return proc

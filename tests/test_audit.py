@@ -1,6 +1,7 @@
 """The auditor on a plain Gaussian mechanism, whose privacy is known exactly, and end to end."""
 
 
+import forkserver
 import mlflow
 import numpy as np
 import pandas as pd
@@ -56,8 +57,6 @@ def test_audit_cli_flags_under_noised_ssp_and_passes_the_calibrated_one(tmp_path
     """python -m pipeline.audit at eps = 1, delta = 1e-5 with 100,000 runs per set: SSP as shipped is
     consistent, SSP with its noise std halved is a violation; each audit is an MLflow run with
     its bound, verdict and histogram."""
-    import subprocess
-    import sys
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[1]
@@ -65,9 +64,8 @@ def test_audit_cli_flags_under_noised_ssp_and_passes_the_calibrated_one(tmp_path
     verdicts = {}
     for scale in (1.0, 0.5):
         out = tmp_path / f"scale{scale}"
-        proc = subprocess.run([sys.executable, "-m", "pipeline.audit", "audit.methods=[ssp]", f"audit.noise_scale={scale}",
-                               f"mlflow.tracking_uri={store}", f"hydra.run.dir={out}"],
-                              cwd=root, capture_output=True, text=True, timeout=600)
+        proc = forkserver.run(["-m", "pipeline.audit", "audit.methods=[ssp]", f"audit.noise_scale={scale}",
+                               f"mlflow.tracking_uri={store}", f"hydra.run.dir={out}"], cwd=root, timeout=600)
         assert proc.returncode == 0, proc.stderr[-3000:]
         row = pd.read_csv(out / "audit.csv").iloc[0]
         assert row["runs"] == 100_000 and row["eps"] == 1.0 and row["delta"] == DELTA
@@ -90,14 +88,12 @@ def test_audit_cli_flags_under_noised_ssp_and_passes_the_calibrated_one(tmp_path
     ("privacy.eps=-1", "privacy.eps"),
 ])
 def test_audit_refuses_bad_input_before_any_run(tmp_path, override, message):
-    import subprocess
-    import sys
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[1]
     store = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    proc = subprocess.run([sys.executable, "-m", "pipeline.audit", override, f"mlflow.tracking_uri={store}",
-                           f"hydra.run.dir={tmp_path / 'out'}"], cwd=root, capture_output=True, text=True, timeout=300)
+    proc = forkserver.run(["-m", "pipeline.audit", override, f"mlflow.tracking_uri={store}",
+                           f"hydra.run.dir={tmp_path / 'out'}"], cwd=root, timeout=300)
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert message in proc.stderr and "error:" in proc.stderr
     assert not (tmp_path / "out" / "audit.csv").exists()
@@ -139,15 +135,12 @@ def test_few_runs_are_inconclusive_where_many_prove_a_violation(runs, expected):
 def test_audit_cli_reports_inconclusive_for_a_small_audit(tmp_path):
     """The appendix-B calibration, proven in violation at 100,000 runs (README), audited with 2,000
     runs: 'inconclusive' in the console, audit.csv and the MLflow tag, with the ceiling logged."""
-    import subprocess
-    import sys
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[1]
     store = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    proc = subprocess.run([sys.executable, "-m", "pipeline.audit", "audit.methods=[dp_ridge_paper]", "audit.runs=2000",
-                           f"mlflow.tracking_uri={store}", f"hydra.run.dir={tmp_path / 'out'}"],
-                          cwd=root, capture_output=True, text=True, timeout=600)
+    proc = forkserver.run(["-m", "pipeline.audit", "audit.methods=[dp_ridge_paper]", "audit.runs=2000",
+                           f"mlflow.tracking_uri={store}", f"hydra.run.dir={tmp_path / 'out'}"], cwd=root, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     row = pd.read_csv(tmp_path / "out" / "audit.csv").iloc[0]
     assert row["verdict"].startswith("inconclusive (too few runs: at most 6.19 provable"), row["verdict"]

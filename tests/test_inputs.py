@@ -1,8 +1,8 @@
 """Bad input, through the CLI: one `error: <key> ...` line naming the value, exit 2, before
 anything is computed or logged (no MLflow run, no results).
 
-Every case is its own `python -m pipeline` process; they start together (a module fixture)
-so that the file costs about one process start per core, not one per case.
+Every case is its own `python -m pipeline` process (forked from a server that has the heavy
+packages imported: tests/forkserver.py); they start together (a module fixture), as many at a time as there are cores.
 """
 
 from __future__ import annotations
@@ -11,10 +11,10 @@ import os
 import shutil
 import sqlite3
 import subprocess
-import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import forkserver
 import numpy as np
 import pytest
 
@@ -203,8 +203,7 @@ def _run(name: str, base: Path, ro: Path) -> tuple[subprocess.CompletedProcess, 
     flags = [a for a in args if a.startswith("-")]
     args = [a for a in args if not a.startswith("-")]
     trials = [] if any(a.startswith("trials=") for a in args) else ["trials=2"]
-    cmd = [sys.executable, "-m", "pipeline", *trials, *args, *flags]
-    proc = subprocess.run(cmd, cwd=tmp, capture_output=True, text=True, env=env, timeout=300)
+    proc = forkserver.run(["-m", "pipeline", *trials, *args, *flags], cwd=tmp, env=env, timeout=300)
     return proc, tmp
 
 

@@ -242,14 +242,14 @@ def test_the_scope_run_is_offered_by_the_task_that_has_it_and_refused_by_the_oth
 
 
 def _audit_cli(tmp_path, *args, folder: str = "out/audit"):
-    import subprocess
-    import sys
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[1]
-    cmd = [sys.executable, "-m", "pipeline.audit", f"mlflow.tracking_uri=sqlite:///{tmp_path / 'mlflow.db'}",
+    import forkserver
+
+    cmd = ["-m", "pipeline.audit", f"mlflow.tracking_uri=sqlite:///{tmp_path / 'mlflow.db'}",
            f"hydra.run.dir={tmp_path / folder}", *args]
-    return subprocess.run(cmd, cwd=root, capture_output=True, text=True, timeout=600)
+    return forkserver.run(cmd, cwd=root, timeout=600)
 
 
 @pytest.mark.slow

@@ -3,13 +3,12 @@ the canary's clipped gradient within C and passes at the claimed eps; halved noi
 one-branch norm of the tied item table are flagged; the noise the audit draws is the training
 step's; the CLI end to end."""
 
-import subprocess
-import sys
 from pathlib import Path
 
 import mlflow
 import numpy as np
 import pandas as pd
+import forkserver
 import pytest
 import torch
 from hydra import compose, initialize_config_dir
@@ -157,8 +156,8 @@ def test_run_sigma_is_the_runs_multiplier_against_one_steps_exact_eps(setup):
 
 def _cli(tmp_path, *args):
     store = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    proc = subprocess.run([sys.executable, "-m", "pipeline.audit", *TINY, *args, f"mlflow.tracking_uri={store}",
-                           f"hydra.run.dir={tmp_path / 'out'}"], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    proc = forkserver.run(["-m", "pipeline.audit", *TINY, *args, f"mlflow.tracking_uri={store}",
+                           f"hydra.run.dir={tmp_path / 'out'}"], cwd=ROOT, timeout=600)
     return proc, store
 
 

@@ -5,10 +5,9 @@ refusals before any folder)."""
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
+import forkserver
 import pytest
 import torch
 from omegaconf import OmegaConf
@@ -141,8 +140,7 @@ def test_adam_noise_is_the_runs_adam_error_at_every_eps_and_the_correction_is_to
 
 def cli(*args, cwd=ROOT):
     env = dict(os.environ, PYTHONWARNINGS="ignore")
-    return subprocess.run([sys.executable, "-m", "pipeline.seqrec.distraction", *args], cwd=cwd, env=env,
-                          capture_output=True, text=True, timeout=600)
+    return forkserver.run(["-m", "pipeline.seqrec.distraction", *args], cwd=cwd, env=env, timeout=600)
 
 
 TINY = ["dataset=synthetic_longtail_tiny", "seqrec.epochs=1", "distraction.draws=2", "distraction.users=40",

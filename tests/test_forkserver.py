@@ -1,0 +1,64 @@
+"""The tests' launcher (tests/forkserver.py): a forked ``python -m`` child behaves as a fresh
+interpreter's would, in what the tests read (exit status, streams, working folder, environment,
+argument list, warnings filters, uncaught exceptions, atexit handlers)."""
+
+import subprocess
+import sys
+
+import forkserver
+import pytest
+
+PROBE = '''
+import atexit, os, sys, warnings
+atexit.register(lambda: print("atexit ran"))
+print("argv", sys.argv[1:], "cwd", os.path.basename(os.getcwd()), "path0", os.path.basename(sys.path[0]))
+print("env", os.environ.get("PROBE_VALUE"), "pipeline imported:", "pipeline" in sys.modules)
+print("to stderr", file=sys.stderr)
+if sys.argv[1] == "warn":
+    warnings.warn("a warning", UserWarning)
+    print("after the warning")
+if sys.argv[1] == "raise":
+    raise RuntimeError("uncaught")
+sys.exit(int(sys.argv[2]))
+'''
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("args,warnings", [(["plain", "3"], "default"), (["plain", "0"], "ignore"),
+                                           (["warn", "0"], "error"), (["warn", "0"], "ignore"),
+                                           (["raise", "0"], "default")])
+def test_a_forked_child_answers_as_a_fresh_interpreter(tmp_path, monkeypatch, args, warnings):
+    (tmp_path / "probe_module.py").write_text(PROBE)
+    env = {"PATH": "/usr/bin:/bin", "PROBE_VALUE": "x1", "PYTHONWARNINGS": warnings}
+    monkeypatch.delenv("PIPELINE_TESTS_FORK", raising=False)
+    forked = forkserver.run(["-m", "probe_module", *args], cwd=tmp_path, env=env, timeout=120)
+    fresh = subprocess.run([sys.executable, "-m", "probe_module", *args], cwd=tmp_path, env=env, capture_output=True,
+                           text=True, timeout=120)
+    assert forked.returncode == fresh.returncode
+    assert forked.stdout == fresh.stdout
+    assert _unframed(forked.stderr) == _unframed(fresh.stderr)  # a traceback's frames differ: the launcher's own
+    assert "atexit ran" in forked.stdout and "pipeline imported: False" in forked.stdout
+    assert f"cwd {tmp_path.name}" in forked.stdout and "env x1" in forked.stdout
+
+
+@pytest.mark.slow
+def test_a_child_past_its_timeout_is_killed(tmp_path, monkeypatch):
+    """As subprocess.run kills a child past its timeout: TimeoutExpired, and the child is gone."""
+    import os
+    import time
+
+    monkeypatch.delenv("PIPELINE_TESTS_FORK", raising=False)
+    (tmp_path / "sleeper.py").write_text("import os, pathlib, time\npathlib.Path('pid').write_text(str(os.getpid()))\n"
+                                         "time.sleep(60)\n")
+    with pytest.raises(subprocess.TimeoutExpired):
+        forkserver.run(["-m", "sleeper"], cwd=tmp_path, env={"PATH": "/usr/bin:/bin"}, timeout=3)
+    pid = int((tmp_path / "pid").read_text())
+    time.sleep(0.5)  # the server reaps it
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)
+
+
+def _unframed(stderr: str) -> list[str]:
+    """stderr without a traceback's indented frame lines (the forked child's start with the launcher's
+    and runpy's frames where a fresh interpreter's start with runpy's)."""
+    return [line for line in stderr.splitlines() if not line.startswith("  ")]
