@@ -16,8 +16,9 @@ idle two-core machine.
 Then, in this process, DP-SGD's calibration (``pipeline.privacy``'s cached accountant calls) for the
 plan of a DPFormer cell (``seqrec.train.plan``: noise multiplier and spent eps) at the CI preset and at
 the CPU presets' Figure 2: the first call (the cache cleared, Opacus's bisection paid) against a repeat
-(what a cell pays after its sweep's validation calibrated it, and what a tuning grid's cells that differ
-in a learning rate only pay).
+(what a cell pays after its sweep's validation calibrated it in the same process, and what a tuning
+grid's cells that differ in a learning rate only pay there: the default launcher runs a sweep's cells in
+its own process; joblib's workers each fill a cache of their own).
 """
 
 from __future__ import annotations
@@ -63,6 +64,8 @@ def import_shares(scratch: Path) -> dict[str, float]:
     args = ["-X", "importtime", "-m", "pipeline", f"mlflow.tracking_uri=sqlite:///{scratch}/imp.db",
             f"hydra.run.dir={scratch}/imp", "trials=100"]
     proc = subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"the -X importtime run failed (exit {proc.returncode}): {proc.stderr[-2000:]}")
     wanted = ("torch", "mlflow", "dp_accounting", "matplotlib", "seaborn", "pandas", "hydra", "sqlalchemy", "scipy")
     found: dict[str, float] = {}
     for line in proc.stderr.splitlines():

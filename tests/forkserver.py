@@ -30,14 +30,45 @@ from pathlib import Path
 PRELOAD = ("numpy", "pandas", "scipy.stats", "torch", "torch._dynamo", "mlflow", "mlflow.store.tracking.sqlalchemy_store",
            "sqlalchemy", "alembic", "matplotlib", "matplotlib.pyplot", "seaborn", "hydra", "omegaconf", "opacus",
            "dp_accounting", "joblib")
+# the environment a child must share with the server to be forked (read when the interpreter or a
+# preloaded package starts: hash seed, paths, encodings, locale, thread pools, matplotlib's config);
+# a request whose values differ runs in a fresh interpreter instead. PYTHONWARNINGS is applied per child.
+STARTUP_KEYS = ("PYTHON", "OMP_", "MKL_", "OPENBLAS_", "NUMEXPR_", "LC_", "LANG", "MPL", "MATPLOTLIB", "CUDA_",
+                "TORCH", "MLFLOW_CONFIGURE_LOGGING", "TZ")
+WARNINGS = "PYTHONWARNINGS"
+
+
+def _startup_env(env: dict) -> dict:
+    return {k: v for k, v in env.items() if k.startswith(STARTUP_KEYS) and k != WARNINGS}
 
 
 # --------------------------------------------------------------------------------------- the server
 
+_initial_filters: list = []  # the interpreter's own warnings filters, before any package or option changed them
+
+
 def _child(request: dict) -> None:
-    """In the forked child: become ``python -m <module> <args>`` and exit with its status."""
+    """In the forked child: become ``python -m <module> <args>``, exit as the interpreter would."""
+    code = 1
+    try:
+        code = _become(request)
+    except BaseException:  # noqa: BLE001 - the set-up failed: say so on the child's stderr if it has one
+        try:
+            import traceback
+
+            traceback.print_exc()
+            sys.stderr.flush()
+        except BaseException:  # noqa: BLE001
+            pass
+    os._exit(code)
+
+
+def _become(request: dict) -> int:
     import atexit
+    import gc
     import runpy
+    import signal
+    import threading as _threading
     import warnings
 
     os.chdir(request["cwd"])
@@ -45,6 +76,7 @@ def _child(request: dict) -> None:
     os.environ.update(request["env"])
     fd_in = os.open(os.devnull, os.O_RDONLY)
     os.dup2(fd_in, 0)
+    os.close(fd_in)
     for fd, path in ((1, request["stdout"]), (2, request["stderr"])):
         out = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         os.dup2(out, fd)
@@ -53,11 +85,16 @@ def _child(request: dict) -> None:
     sys.stdout = open(1, "w", closefd=False)  # noqa: SIM115
     sys.stderr = open(2, "w", buffering=1, errors="backslashreplace", closefd=False)  # noqa: SIM115
     sys.__stdin__, sys.__stdout__, sys.__stderr__ = sys.stdin, sys.stdout, sys.stderr
-    warnings.resetwarnings()  # then PYTHONWARNINGS as the interpreter reads it at its start
-    warnings._processoptions([s for s in os.environ.get("PYTHONWARNINGS", "").split(",") if s])
+    options = [o for o in os.environ.get(WARNINGS, "").split(",") if o]
+    warnings.filters[:] = _initial_filters  # the interpreter's defaults, then PYTHONWARNINGS as it reads them
+    warnings._filters_mutated()
+    sys.warnoptions[:] = options
+    warnings._processoptions(options)
+    if "numpy" in sys.modules:  # a fresh interpreter seeds numpy's global generator from the OS
+        sys.modules["numpy"].random.seed()
     sys.path[0] = os.getcwd()  # as `python -m` puts the working folder first
     sys.argv[:] = [request["module"], *request["args"]]  # runpy sets argv[0] to the module's file
-    code = 0
+    code, interrupted = 0, False
     try:
         runpy.run_module(request["module"], run_name="__main__", alter_sys=True)
     except SystemExit as stop:
@@ -72,30 +109,39 @@ def _child(request: dict) -> None:
         import traceback
 
         traceback.print_exc()
-        code = 130
+        interrupted = True
     except BaseException:  # noqa: BLE001 - what the interpreter does with an uncaught exception
         import traceback
 
         traceback.print_exc()
         code = 1
-    try:
-        atexit._run_exitfuncs()
-        sys.stdout.flush()
-        sys.stderr.flush()
-    finally:
-        os._exit(code)
+    _threading._shutdown()  # as the interpreter: wait for non-daemon threads, then the atexit handlers
+    atexit._run_exitfuncs()
+    gc.collect()  # finalisers of what is no longer referenced (unclosed files flush)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    if interrupted:  # an uncaught KeyboardInterrupt ends the interpreter by SIGINT
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGINT)
+    return code
 
 
 def serve() -> None:
-    """Read one JSON request a line on stdin, fork it, write ``{"id", "returncode"}`` lines on stdout."""
+    """Read one JSON request a line on stdin, fork it, write ``{"id", "pid"}`` when it starts and
+    ``{"id", "returncode"}`` when it ends on stdout."""
     import importlib
+    import warnings
 
+    _initial_filters[:] = warnings.filters
     for name in PRELOAD:
         try:
             importlib.import_module(name)
         except ImportError:
             pass
-    os.write(1, b'{"ready": true}\n')
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_initialized():  # a forked child could not use CUDA
+        raise RuntimeError("the fork server's imports initialised CUDA")
+    os.write(1, (json.dumps({"ready": True, "env": _startup_env(dict(os.environ))}) + "\n").encode())
     running: dict[int, int] = {}  # pid -> request id
     pending = b""
     open_input = True
@@ -124,60 +170,99 @@ def serve() -> None:
 
 # --------------------------------------------------------------------------------------- the client
 
+class ServerDied(RuntimeError):
+    pass
+
+
 class ForkServer:
     """One server process; ``run`` may be called from several threads at once."""
 
     def __init__(self) -> None:
+        env = {k: v for k, v in os.environ.items() if k != WARNINGS}
         self.proc = subprocess.Popen([sys.executable, __file__], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     cwd=Path(__file__).resolve().parents[1])
-        assert json.loads(self.proc.stdout.readline()) == {"ready": True}
+                                     cwd=Path(__file__).resolve().parents[1], env=env)
+        ready = json.loads(self.proc.stdout.readline() or "{}")
+        if not ready.get("ready"):
+            raise ServerDied(f"the fork server did not start (exit {self.proc.wait()})")
+        self.env = ready["env"]  # its start-up environment: requests that differ run in a fresh interpreter
         self.ids = itertools.count()
         self.lock = threading.Lock()
         self.waiting: dict[int, tuple[threading.Event, list]] = {}
         self.pids: dict[int, int] = {}  # request id -> its child's pid, while it runs
+        self.dead = False
         self.reader = threading.Thread(target=self._read, daemon=True)
         self.reader.start()
 
     def _read(self) -> None:
-        for line in self.proc.stdout:
-            answer = json.loads(line)
+        try:
+            for line in self.proc.stdout:
+                answer = json.loads(line)
+                with self.lock:
+                    if "pid" in answer:
+                        self.pids[answer["id"]] = answer["pid"]
+                        continue
+                    event, box = self.waiting.pop(answer["id"])
+                    self.pids.pop(answer["id"], None)
+                box.append(answer["returncode"])
+                event.set()
+        finally:  # the server ended: no answer will come to anyone still waiting
             with self.lock:
-                if "pid" in answer:
-                    self.pids[answer["id"]] = answer["pid"]
-                    continue
-                event, box = self.waiting.pop(answer["id"])
-                self.pids.pop(answer["id"], None)
-            box.append(answer["returncode"])
-            event.set()
+                self.dead = True
+                waiting, self.waiting = self.waiting, {}
+            for event, _ in waiting.values():
+                event.set()
+
+    def forks(self, env: dict) -> bool:
+        """Whether a child with this environment can be forked (its start-up settings are the server's)."""
+        return _startup_env(env) == self.env
 
     def run(self, args: list[str], *, cwd, env: dict | None = None, timeout: float = 600) -> subprocess.CompletedProcess:
         """``args`` as for ``subprocess.run([sys.executable, *args])``: ``["-m", module, ...]``."""
         if args[0] != "-m":
             raise ValueError(f"only `python -m <module>` is forked, got {args[:2]}")
+        env = dict(os.environ if env is None else env)
         with tempfile.TemporaryDirectory(prefix="fork-") as tmp:
             out, err = Path(tmp, "stdout"), Path(tmp, "stderr")
             event, box = threading.Event(), []
             with self.lock:
+                if self.dead:
+                    raise ServerDied(f"the fork server has ended (exit {self.proc.poll()})")
                 rid = next(self.ids)
                 self.waiting[rid] = (event, box)
-                request = {"id": rid, "module": args[1], "args": list(args[2:]), "cwd": str(cwd),
-                           "env": dict(os.environ if env is None else env), "stdout": str(out), "stderr": str(err)}
+                request = {"id": rid, "module": args[1], "args": list(args[2:]), "cwd": str(cwd), "env": env,
+                           "stdout": str(out), "stderr": str(err)}
                 self.proc.stdin.write((json.dumps(request) + "\n").encode())
                 self.proc.stdin.flush()
             if not event.wait(timeout):
-                with self.lock:
-                    pid = self.pids.get(rid)
-                if pid is not None:
-                    try:
-                        os.kill(pid, 9)  # as subprocess.run kills a child past its timeout
-                    except ProcessLookupError:
-                        pass
+                self._kill(rid, event)
                 raise subprocess.TimeoutExpired([sys.executable, *args], timeout)
+            if not box:
+                raise ServerDied(f"the fork server ended while `python {' '.join(args[:2])}` ran")
             return subprocess.CompletedProcess([sys.executable, *args], box[0], out.read_text(errors="replace"),
                                                err.read_text(errors="replace"))
 
+    def _kill(self, rid: int, event: threading.Event) -> None:
+        """As subprocess.run does past its timeout: kill the child and wait for it to end."""
+        import time
+
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and not event.is_set():
+            with self.lock:
+                pid = self.pids.get(rid)
+            if pid is not None:
+                try:
+                    os.kill(pid, 9)
+                except ProcessLookupError:
+                    pass
+                break
+            time.sleep(0.01)  # its pid is on its way
+        event.wait(30)  # reaped by the server
+
     def close(self) -> None:
-        self.proc.stdin.close()
+        try:
+            self.proc.stdin.close()
+        except OSError:
+            pass
         try:
             self.proc.wait(timeout=60)
         except subprocess.TimeoutExpired:
@@ -191,18 +276,21 @@ _server_lock = threading.Lock()
 def run(args: list[str], *, cwd, env: dict | None = None, timeout: float = 600) -> subprocess.CompletedProcess:
     """``subprocess.run([sys.executable, *args], capture_output=True, text=True)`` for ``args`` =
     ``["-m", module, ...]``: forked from this test process's server (started at the first call, ended
-    at exit), or, with PIPELINE_TESTS_FORK=0, in a fresh interpreter."""
+    at exit; started again if it died), or in a fresh interpreter with PIPELINE_TESTS_FORK=0 or where
+    ``env``'s start-up settings are not the server's."""
     global _server
-    if os.environ.get("PIPELINE_TESTS_FORK", "1") == "0":
-        return subprocess.run([sys.executable, *args], cwd=cwd, capture_output=True, text=True, env=env,
-                              timeout=timeout)
-    with _server_lock:
-        if _server is None:
-            import atexit
+    env = dict(os.environ if env is None else env)
+    if os.environ.get("PIPELINE_TESTS_FORK", "1") != "0":
+        with _server_lock:
+            if _server is None or _server.dead:
+                import atexit
 
-            _server = ForkServer()
-            atexit.register(_server.close)
-    return _server.run(args, cwd=cwd, env=env, timeout=timeout)
+                _server = ForkServer()
+                atexit.register(_server.close)
+            server = _server
+        if server.forks(env):
+            return server.run(args, cwd=cwd, env=env, timeout=timeout)
+    return subprocess.run([sys.executable, *args], cwd=cwd, capture_output=True, text=True, env=env, timeout=timeout)
 
 
 if __name__ == "__main__":

@@ -19,17 +19,33 @@ if sys.argv[1] == "warn":
     print("after the warning")
 if sys.argv[1] == "raise":
     raise RuntimeError("uncaught")
+if sys.argv[1] == "interrupt":
+    raise KeyboardInterrupt
+if sys.argv[1] == "deprecated":  # hidden by the interpreter's default filters outside __main__
+    import probe_helper
+if sys.argv[1] == "thread":  # a non-daemon thread outlives the module: the interpreter waits for it
+    import threading, time
+    threading.Thread(target=lambda: (time.sleep(0.3), print("thread done", flush=True))).start()
 sys.exit(int(sys.argv[2]))
+'''
+HELPER = '''
+import warnings
+warnings.warn("old", DeprecationWarning)
+warnings.warn("pending", PendingDeprecationWarning)
+print("helper imported")
 '''
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("args,warnings", [(["plain", "3"], "default"), (["plain", "0"], "ignore"),
-                                           (["warn", "0"], "error"), (["warn", "0"], "ignore"),
-                                           (["raise", "0"], "default")])
+                                           (["warn", "0"], "error"), (["warn", "0"], "ignore"), (["warn", "0"], None),
+                                           (["raise", "0"], "default"), (["interrupt", "0"], None),
+                                           (["deprecated", "0"], None), (["deprecated", "0"], "default"),
+                                           (["thread", "4"], None)])
 def test_a_forked_child_answers_as_a_fresh_interpreter(tmp_path, monkeypatch, args, warnings):
     (tmp_path / "probe_module.py").write_text(PROBE)
-    env = {"PATH": "/usr/bin:/bin", "PROBE_VALUE": "x1", "PYTHONWARNINGS": warnings}
+    (tmp_path / "probe_helper.py").write_text(HELPER)
+    env = {"PATH": "/usr/bin:/bin", "PROBE_VALUE": "x1"} | ({"PYTHONWARNINGS": warnings} if warnings else {})
     monkeypatch.delenv("PIPELINE_TESTS_FORK", raising=False)
     forked = forkserver.run(["-m", "probe_module", *args], cwd=tmp_path, env=env, timeout=120)
     fresh = subprocess.run([sys.executable, "-m", "probe_module", *args], cwd=tmp_path, env=env, capture_output=True,
@@ -37,7 +53,8 @@ def test_a_forked_child_answers_as_a_fresh_interpreter(tmp_path, monkeypatch, ar
     assert forked.returncode == fresh.returncode
     assert forked.stdout == fresh.stdout
     assert _unframed(forked.stderr) == _unframed(fresh.stderr)  # a traceback's frames differ: the launcher's own
-    assert "atexit ran" in forked.stdout and "pipeline imported: False" in forked.stdout
+    assert "pipeline imported: False" in forked.stdout
+    assert "atexit ran" in forked.stdout  # and then an uncaught KeyboardInterrupt ends it by SIGINT (-2)
     assert f"cwd {tmp_path.name}" in forked.stdout and "env x1" in forked.stdout
 
 
@@ -62,3 +79,14 @@ def _unframed(stderr: str) -> list[str]:
     """stderr without a traceback's indented frame lines (the forked child's start with the launcher's
     and runpy's frames where a fresh interpreter's start with runpy's)."""
     return [line for line in stderr.splitlines() if not line.startswith("  ")]
+
+
+@pytest.mark.slow
+def test_a_child_whose_start_up_settings_differ_runs_in_a_fresh_interpreter(tmp_path, monkeypatch):
+    """PYTHONHASHSEED is read when an interpreter starts: a request that sets it is not forked."""
+    monkeypatch.delenv("PIPELINE_TESTS_FORK", raising=False)
+    (tmp_path / "hashes.py").write_text("print(hash('abc'))\n")
+    env = {"PATH": "/usr/bin:/bin", "PYTHONHASHSEED": "7"}
+    forked = forkserver.run(["-m", "hashes"], cwd=tmp_path, env=env, timeout=120)
+    fresh = subprocess.run([sys.executable, "-m", "hashes"], cwd=tmp_path, env=env, capture_output=True, text=True)
+    assert forked.stdout == fresh.stdout and forked.returncode == fresh.returncode == 0
