@@ -133,6 +133,7 @@ def serve() -> None:
     import warnings
 
     _initial_filters[:] = warnings.filters
+    started = _startup_env(dict(os.environ))  # as started, before the imports set any (torch sets TORCHINDUCTOR_*)
     for name in PRELOAD:
         try:
             importlib.import_module(name)
@@ -141,7 +142,8 @@ def serve() -> None:
     torch = sys.modules.get("torch")
     if torch is not None and torch.cuda.is_initialized():  # a forked child could not use CUDA
         raise RuntimeError("the fork server's imports initialised CUDA")
-    os.write(1, (json.dumps({"ready": True, "env": _startup_env(dict(os.environ))}) + "\n").encode())
+    os.write(1, (json.dumps({"ready": True, "env": started, "imported_env": _startup_env(dict(os.environ))})
+                 + "\n").encode())
     running: dict[int, int] = {}  # pid -> request id
     pending = b""
     open_input = True
@@ -184,7 +186,8 @@ class ForkServer:
         ready = json.loads(self.proc.stdout.readline() or "{}")
         if not ready.get("ready"):
             raise ServerDied(f"the fork server did not start (exit {self.proc.wait()})")
-        self.env = ready["env"]  # its start-up environment: requests that differ run in a fresh interpreter
+        self.env = ready["env"]  # its start-up environment: requests that differ run in a fresh interpreter,
+        self.imported_env = ready["imported_env"]  # except in what its imports set (a fresh one's would set it too)
         self.ids = itertools.count()
         self.lock = threading.Lock()
         self.waiting: dict[int, tuple[threading.Event, list]] = {}
@@ -214,7 +217,8 @@ class ForkServer:
 
     def forks(self, env: dict) -> bool:
         """Whether a child with this environment can be forked (its start-up settings are the server's)."""
-        return _startup_env(env) == self.env
+        asked = _startup_env(env)
+        return all(asked.get(k) in (self.env.get(k), self.imported_env.get(k)) for k in {*asked, *self.env})
 
     def run(self, args: list[str], *, cwd, env: dict | None = None, timeout: float = 600) -> subprocess.CompletedProcess:
         """``args`` as for ``subprocess.run([sys.executable, *args])``: ``["-m", module, ...]``."""

@@ -2,6 +2,7 @@
 interpreter's would, in what the tests read (exit status, streams, working folder, environment,
 argument list, warnings filters, uncaught exceptions, atexit handlers)."""
 
+import os
 import subprocess
 import sys
 
@@ -13,6 +14,8 @@ import atexit, os, sys, warnings
 atexit.register(lambda: print("atexit ran"))
 print("argv", sys.argv[1:], "cwd", os.path.basename(os.getcwd()), "path0", os.path.basename(sys.path[0]))
 print("env", os.environ.get("PROBE_VALUE"), "pipeline imported:", "pipeline" in sys.modules)
+with open("parent", "w") as f:
+    f.write(str(os.getppid()))
 print("to stderr", file=sys.stderr)
 if sys.argv[1] == "warn":
     warnings.warn("a warning", UserWarning)
@@ -45,9 +48,11 @@ print("helper imported")
 def test_a_forked_child_answers_as_a_fresh_interpreter(tmp_path, monkeypatch, args, warnings):
     (tmp_path / "probe_module.py").write_text(PROBE)
     (tmp_path / "probe_helper.py").write_text(HELPER)
-    env = {"PATH": "/usr/bin:/bin", "PROBE_VALUE": "x1"} | ({"PYTHONWARNINGS": warnings} if warnings else {})
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONWARNINGS"} | {"PROBE_VALUE": "x1"}
+    env |= {"PYTHONWARNINGS": warnings} if warnings else {}  # the tests' own environment, as run_cli passes it
     monkeypatch.delenv("PIPELINE_TESTS_FORK", raising=False)
     forked = forkserver.run(["-m", "probe_module", *args], cwd=tmp_path, env=env, timeout=120)
+    assert int((tmp_path / "parent").read_text()) == forkserver._server.proc.pid  # it was forked, not started
     fresh = subprocess.run([sys.executable, "-m", "probe_module", *args], cwd=tmp_path, env=env, capture_output=True,
                            text=True, timeout=120)
     assert forked.returncode == fresh.returncode
@@ -68,7 +73,7 @@ def test_a_child_past_its_timeout_is_killed(tmp_path, monkeypatch):
     (tmp_path / "sleeper.py").write_text("import os, pathlib, time\npathlib.Path('pid').write_text(str(os.getpid()))\n"
                                          "time.sleep(60)\n")
     with pytest.raises(subprocess.TimeoutExpired):
-        forkserver.run(["-m", "sleeper"], cwd=tmp_path, env={"PATH": "/usr/bin:/bin"}, timeout=3)
+        forkserver.run(["-m", "sleeper"], cwd=tmp_path, env=dict(os.environ), timeout=3)
     pid = int((tmp_path / "pid").read_text())
     time.sleep(0.5)  # the server reaps it
     with pytest.raises(ProcessLookupError):
@@ -85,8 +90,10 @@ def _unframed(stderr: str) -> list[str]:
 def test_a_child_whose_start_up_settings_differ_runs_in_a_fresh_interpreter(tmp_path, monkeypatch):
     """PYTHONHASHSEED is read when an interpreter starts: a request that sets it is not forked."""
     monkeypatch.delenv("PIPELINE_TESTS_FORK", raising=False)
-    (tmp_path / "hashes.py").write_text("print(hash('abc'))\n")
-    env = {"PATH": "/usr/bin:/bin", "PYTHONHASHSEED": "7"}
+    (tmp_path / "hashes.py").write_text("import os\nprint(hash('abc'), os.getppid() == int(os.environ['SERVER']))\n")
+    forkserver.run(["-m", "json.tool", "--help"], cwd=tmp_path, timeout=120)  # the server is up
+    env = dict(os.environ, PYTHONHASHSEED="7", SERVER=str(forkserver._server.proc.pid))
     forked = forkserver.run(["-m", "hashes"], cwd=tmp_path, env=env, timeout=120)
+    assert forked.stdout.split()[1] == "False"  # not the server's child
     fresh = subprocess.run([sys.executable, "-m", "hashes"], cwd=tmp_path, env=env, capture_output=True, text=True)
     assert forked.stdout == fresh.stdout and forked.returncode == fresh.returncode == 0
