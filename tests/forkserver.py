@@ -8,11 +8,13 @@ folder, environment, argument list, standard streams (files here), exit status, 
 none of this project's modules imported (``pipeline`` is imported by the child, from its working
 folder, as in a fresh interpreter). What differs from a fresh interpreter: the packages above are
 already in ``sys.modules`` (the tests of what the command line imports, and of its start-up time,
-launch real interpreters: tests/test_dependencies.py, benchmarks/startup.py), and interpreter-start
-settings other than ``PYTHONWARNINGS`` (hash seed, ``-X`` options) are the server's.
+launch real interpreters: tests/test_dependencies.py, benchmarks/startup.py). A request whose
+start-up settings (``STARTUP_KEYS``: hash seed, paths, locale, thread counts, ...) differ from the
+server's, and every request on a machine where torch sees CUDA (forking after torch's import is not
+checked there), runs in a fresh interpreter instead.
 
-The server is one single-threaded process per test worker (``ForkServer``); it forks each request
-and reports each child's exit status. Children run concurrently.
+The server is one process per test worker (``ForkServer``) whose one Python thread forks each
+request and reports each child's exit status. Children run concurrently.
 """
 
 from __future__ import annotations
@@ -280,11 +282,13 @@ _server_lock = threading.Lock()
 def run(args: list[str], *, cwd, env: dict | None = None, timeout: float = 600) -> subprocess.CompletedProcess:
     """``subprocess.run([sys.executable, *args], capture_output=True, text=True)`` for ``args`` =
     ``["-m", module, ...]``: forked from this test process's server (started at the first call, ended
-    at exit; started again if it died), or in a fresh interpreter with PIPELINE_TESTS_FORK=0 or where
-    ``env``'s start-up settings are not the server's."""
+    at exit; started again if it died), or in a fresh interpreter with PIPELINE_TESTS_FORK=0, where
+    torch sees CUDA, or where ``env``'s start-up settings are not the server's."""
     global _server
     env = dict(os.environ if env is None else env)
-    if os.environ.get("PIPELINE_TESTS_FORK", "1") != "0":
+    torch = sys.modules.get("torch")
+    cuda = torch is not None and torch.cuda.is_available()
+    if os.environ.get("PIPELINE_TESTS_FORK", "1") != "0" and not cuda:
         with _server_lock:
             if _server is None or _server.dead:
                 import atexit

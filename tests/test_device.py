@@ -47,11 +47,9 @@ def test_auto_is_cuda_only_where_torch_sees_one_and_the_task_runs_there(monkeypa
 
 
 def run(*args: str, tmp_path, module: str = "pipeline"):
-    cmd = [sys.executable, "-m", module, f"mlflow.tracking_uri=sqlite:///{tmp_path / 'mlflow.db'}",
+    cmd = ["-m", module, f"mlflow.tracking_uri=sqlite:///{tmp_path / 'mlflow.db'}",
            f"hydra.run.dir={tmp_path / 'run'}", f"hydra.sweep.dir={tmp_path / 'sweep'}", *args]
-    if torch.cuda.is_available():  # the CUDA tests: a fresh interpreter, not a child forked after torch's import
-        return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
-    return forkserver.run(cmd[1:], cwd=ROOT, timeout=600)
+    return forkserver.run(cmd, cwd=ROOT, timeout=600)  # a fresh interpreter where torch sees CUDA
 
 
 @pytest.mark.slow

@@ -66,7 +66,6 @@ def test_a_forked_child_answers_as_a_fresh_interpreter(tmp_path, monkeypatch, ar
 @pytest.mark.slow
 def test_a_child_past_its_timeout_is_killed(tmp_path, monkeypatch):
     """As subprocess.run kills a child past its timeout: TimeoutExpired, and the child is gone."""
-    import os
     import time
 
     monkeypatch.delenv("PIPELINE_TESTS_FORK", raising=False)

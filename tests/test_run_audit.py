@@ -244,9 +244,9 @@ def test_the_scope_run_is_offered_by_the_task_that_has_it_and_refused_by_the_oth
 def _audit_cli(tmp_path, *args, folder: str = "out/audit"):
     from pathlib import Path
 
-    root = Path(__file__).resolve().parents[1]
     import forkserver
 
+    root = Path(__file__).resolve().parents[1]
     cmd = ["-m", "pipeline.audit", f"mlflow.tracking_uri=sqlite:///{tmp_path / 'mlflow.db'}",
            f"hydra.run.dir={tmp_path / folder}", *args]
     return forkserver.run(cmd, cwd=root, timeout=600)

@@ -5,10 +5,10 @@ step's; the CLI end to end."""
 
 from pathlib import Path
 
+import forkserver
 import mlflow
 import numpy as np
 import pandas as pd
-import forkserver
 import pytest
 import torch
 from hydra import compose, initialize_config_dir
