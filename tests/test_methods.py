@@ -1,5 +1,6 @@
 """Estimators against closed forms and against each other."""
 
+import dataclasses
 import math
 import os
 
@@ -43,6 +44,43 @@ def test_a_chunks_gram_is_computed_once_and_only_when_small():
     assert f[torch.tensor([2, 3])] is not f[torch.tensor([2, 3])]  # index tensors: fresh features
     big = random_features(trials=2, N=10, D=3)  # D^4 = 81 > N (2D + 1) = 70: not remembered
     assert big.gram() is not big.gram()
+
+
+def test_trials_that_share_their_prompts_share_one_gram_and_moment():
+    """The audit's canary repeats one prompt set for every run as stride-0 views: its Gram and
+    moment are computed once and expanded, and equal a materialised copy's."""
+    one = random_features(trials=1, N=40, D=3)
+    shared = Features(one.q.expand(5, -1, -1), one.v.expand(5, -1, -1), one.y.expand(5, -1))
+    copied = Features(shared.q.contiguous(), shared.v.contiguous(), shared.y.contiguous())
+    assert shared.shared() is not None and copied.shared() is None and one.shared() is None
+    H = shared.gram()
+    assert H.shape == (5, 9, 9) and H.stride(0) == 0 and shared.gram() is H  # one Gram, remembered
+    assert torch.allclose(H, copied.gram(), rtol=1e-13, atol=1e-15)
+    b = shared.moment()
+    assert b.shape == (5, 3, 3) and b.stride(0) == 0
+    assert torch.allclose(b, copied.moment(), rtol=1e-13, atol=1e-15)
+    assert shared[1:3].gram().stride(0) == 0  # a chunk of the runs shares them too
+    assert shared[torch.tensor([0, 2])].shared() is None  # an index copies: computed per trial
+
+
+@pytest.mark.parametrize("method", ["ssp", "noisyhead"])
+def test_the_audits_shared_canary_fits_as_its_materialised_copy(cfg_for, method):
+    """A mechanism fitted on the audit's canary (stride-0 runs) releases what it releases on a
+    materialised copy of the same runs, with the same noise."""
+    from pipeline.noisyhead import config
+    from pipeline.noisyhead.audit import canary
+    from pipeline.noisyhead.methods import ESTIMATORS
+
+    cfg = cfg_for("method=[ridge,noisyhead,ssp]", "compute.chunk_trials=3")
+    const = config.validate(cfg)
+    spec = cfg.method[method]
+    problem = canary(const, 7, D64, neighbour=True)
+    f = problem.private
+    copied = Features(f.q.contiguous(), f.v.contiguous(), f.y.contiguous())
+    twin = dataclasses.replace(problem, train=copied, private=copied, test=copied, fits={})
+    fitted = ESTIMATORS[spec.estimator].fit(problem, const, cfg, spec).gamma
+    again = ESTIMATORS[spec.estimator].fit(twin, const, cfg, spec).gamma
+    assert fitted.shape[0] == 7 and torch.allclose(fitted, again, rtol=1e-10, atol=1e-12)
 
 
 def test_gram_and_factored_gradients_agree():
