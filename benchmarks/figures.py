@@ -3,6 +3,7 @@
     python -m benchmarks.figures                  # Figures 1-4 at B = 500, then the side-by-side cell
     python -m benchmarks.figures --device cuda    # the same on a GPU (compute.device=cuda)
     python -m benchmarks.figures --only cell
+    python -m benchmarks.figures --only loop      # Figure 1 at B = 100 against the per-trial NumPy loop
 
 Each figure runs as a user would run it (``python -m pipeline experiment=... -m``, MLflow
 and plots included) in a child process on ``--device`` (``compute.device``), into a scratch
@@ -12,13 +13,17 @@ sweep's overhead: process start, composition, validation, MLflow writes, figures
 resident memory, and on a GPU the largest peak device memory of its cells (``compute.peak_memory_gb``).
 The side-by-side part times one Figure-1 cell (N = 1000, eps = 0.2, B = 500) in this process:
 the pipeline's data, fit and evaluate steps on ``--device``, then
-``benchmarks/baseline_numpy.py``'s plain per-trial loop of the same protocol (NumPy, CPU).
+``benchmarks/baseline_numpy.py``'s plain per-trial loop of the same protocol (NumPy, CPU). The
+loop part runs Figure 1 at B = 100 (35 cells) as a user would, start-up, validation, MLflow and
+figures included, against that loop over the same 35 cells, and prints the ratio and the sweep's
+validation time per cell (its log's "checked n cells in s").
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -109,9 +114,42 @@ def side_by_side(trials: int, device_spec: str) -> None:
           f"{abs(nh.mean() - nh_loop.mean()).item() / se:.1f} standard errors)")
 
 
+def figure_against_loop(trials: int, device_spec: str) -> None:
+    """Figure 1 at B = ``trials`` run as a user runs it, then ``baseline_numpy``'s per-trial loop of
+    the authors' protocol over the same cells (NumPy, CPU; the prompts drawn and the estimators
+    fitted trial by trial), and the ratio of their wall times."""
+    from hydra import compose, initialize_config_dir
+
+    from benchmarks import baseline_numpy
+    from pipeline.noisyhead import config
+
+    name = "fig1_lowdim"
+    with tempfile.TemporaryDirectory() as tmp:
+        (Path(tmp) / name).mkdir()
+        seconds, compute, n, _, _ = run_figure(name, Path(tmp), device_spec, [f"trials={trials}"])
+        checked = re.search(r"checked (\d+) cells in ([0-9.]+) s: the first in ([0-9.]+) s.*?the others in ([0-9.]+) ms",
+                            (Path(tmp) / f"{name}.log").read_text())
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        grid = compose("config", overrides=[f"experiment={name}"], return_hydra_config=True).hydra.sweeper.params
+        cells = [(int(N), float(eps)) for N in str(grid["regime.N"]).split(",") for eps in str(grid["privacy.eps"]).split(",")]
+        loop = 0.0
+        for N, eps in cells:
+            cfg = compose("config", overrides=[f"experiment={name}", f"regime.N={N}", f"privacy.eps={eps}", f"trials={trials}"])
+            const = config.validate(cfg)
+            start = time.perf_counter()
+            baseline_numpy.run(const, eps=eps, delta=cfg.privacy.delta, trials=trials, n_test=cfg.dataset.n_test)
+            loop += time.perf_counter() - start
+    print(f"\nFigure 1 at B = {trials} ({n} cells): the pipeline {seconds:.1f} s (process start, validation, MLflow and"
+          f" figures included; the cells' own compute {compute:.1f} s), the per-trial NumPy loop {loop:.1f} s over the"
+          f" same {len(cells)} cells: {loop / seconds:.1f}x")
+    if checked:
+        print(f"  validation: {checked[1]} cells checked in {float(checked[2]):.2f} s, the first in {float(checked[3]):.2f} s"
+              f" (the imports and store it opens), the others in {float(checked[4]):.1f} ms a cell")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--only", choices=("figures", "cell"), help="run only one part")
+    parser.add_argument("--only", choices=("figures", "cell", "loop"), help="run only one part")
     parser.add_argument("--trials", type=int, default=500, help="B of the side-by-side cell")
     parser.add_argument("--device", default="auto", help="compute.device: auto, cpu, cuda or cuda:N (default auto)")
     parser.add_argument("--overrides", nargs="*", default=[], help="more overrides for every figure (a dry run: trials=2)")
@@ -124,7 +162,7 @@ def main() -> None:
     except ConfigError as err:
         raise SystemExit(f"error: --device: {err}")
     print(f"device: {dev} ({device.name(dev)})")
-    if args.only != "cell":
+    if args.only in (None, "figures"):
         totals = [0.0, 0.0, 0]
         with tempfile.TemporaryDirectory() as tmp:
             print(f"{'figure':<16} {'wall time':>10} {'cells':>9} {'n':>4} {'overhead/cell':>14} {'peak RSS':>10} "
@@ -142,8 +180,10 @@ def main() -> None:
               f"{(totals[0] - totals[1]) / totals[2]:>13.2f}s")
         print("(cells: the cells' own seconds, metrics.cell.seconds; overhead/cell: the rest of the wall time,"
               " process start, composition, validation, MLflow and figures included, per cell)")
-    if args.only != "figures":
+    if args.only in (None, "cell"):
         side_by_side(args.trials, str(dev))
+    if args.only in (None, "loop"):
+        figure_against_loop(100, str(dev))
 
 
 if __name__ == "__main__":
