@@ -10,14 +10,12 @@ eps, the audit's power, the verdict) are ``pipeline/auditing.py``.
 
 from __future__ import annotations
 
-import logging
 import sys
-from pathlib import Path
 
 import hydra
 from omegaconf import DictConfig
 
-from pipeline import tasks
+from pipeline import preflight, tasks
 from pipeline.validation import ConfigError
 
 
@@ -46,40 +44,13 @@ def run(cfg: DictConfig):
     return task.audit(cfg)
 
 
-def _forget_folder() -> None:
-    """Remove the folder Hydra made for this refused audit, if it holds nothing but Hydra's own
-    files (``.hydra/`` and the job's log): a refusal leaves no folder. The audit's own keys are
-    checked by its task's audit once Hydra has made it (the preflight callback checks the rest)."""
-    import shutil
-
-    from hydra.core.hydra_config import HydraConfig
-
-    try:
-        hc = HydraConfig.get()
-    except ValueError:  # called outside Hydra (tests)
-        return
-    folder = Path(hc.runtime.output_dir)
-    own = {".hydra", f"{hc.job.name}.log"}
-    if folder.is_dir() and {p.name for p in folder.iterdir()} <= own:
-        logging.shutdown()
-        shutil.rmtree(folder, ignore_errors=True)
-        cwd = Path.cwd().resolve()
-        for parent in folder.resolve().parents:  # the parents it made (outputs/audit/), up to the working folder
-            if parent == cwd or cwd not in parent.parents:
-                break
-            try:
-                parent.rmdir()  # only if empty
-            except OSError:
-                break
-
-
 @hydra.main(version_base="1.3", config_path="../conf", config_name="audit")
 def main(cfg: DictConfig) -> None:
     try:
         run(cfg)
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
-        _forget_folder()
+        preflight.forget_run_folder()
         sys.exit(2)
 
 

@@ -417,6 +417,35 @@ class PreflightCallback(Callback):
         _exit_on_error(environment)
 
 
+def forget_run_folder() -> None:
+    """Remove the folder Hydra made for this single run, refused after Hydra made it (an entry
+    point's own keys, such as the audit's, checked once its task is known), if it holds nothing but
+    Hydra's own files (``.hydra/`` and the job's log), with the parents Hydra made for it up to the
+    working folder: a refusal leaves no folder. The callback above refuses the rest before the folder
+    exists."""
+    import shutil
+
+    from hydra.core.hydra_config import HydraConfig
+
+    try:
+        hc = HydraConfig.get()
+    except ValueError:  # called outside Hydra (tests)
+        return
+    folder = Path(hc.runtime.output_dir)
+    own = {".hydra", f"{hc.job.name}.log"}
+    if folder.is_dir() and {p.name for p in folder.iterdir()} <= own:
+        logging.shutdown()
+        shutil.rmtree(folder, ignore_errors=True)
+        cwd = Path.cwd().resolve()
+        for parent in folder.resolve().parents:  # the parents it made (outputs/audit/), up to the working folder
+            if parent == cwd or cwd not in parent.parents:
+                break
+            try:
+                parent.rmdir()  # only if empty
+            except OSError:
+                break
+
+
 def _exit_on_error(step) -> None:
     """Hydra turns a callback's exception into a warning (and then creates the folder): a refusal,
     or a check that failed, exits here with one line, before the folder exists."""

@@ -177,6 +177,7 @@ def test_the_entry_point_logs_to_mlflow_and_writes_report_dir(tmp_path):
     ("distraction.buckets=[0.9,0.5]", "distraction.buckets"),
     ("model=transformer", "model=transformer"),
     ("clipping=none", "clipping=none"),
+    ("distraction=null", "distraction: no such settings"),  # refused once Hydra made the folder: removed again
 ])
 def test_bad_settings_are_refused_before_any_folder(tmp_path, bad, key):
     proc = cli(*TINY, bad, f"mlflow.tracking_uri=sqlite:///{tmp_path / 'mlflow.db'}", f"hydra.run.dir={tmp_path / 'run'}")

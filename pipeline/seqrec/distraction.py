@@ -291,6 +291,7 @@ def main() -> None:
             run(cfg)
         except ConfigError as err:
             print(f"error: {err}", file=sys.stderr)
+            preflight.forget_run_folder()
             sys.exit(2)
         except RunFailed as err:
             print(f"error: {err}", file=sys.stderr)
