@@ -198,8 +198,7 @@ def markdown(long: pd.DataFrame, paired: pd.DataFrame, buckets: pd.DataFrame, sc
         lines.append(f"| {model}{f' ({setting})' if setting else ''} | " + " | ".join(cells) + " |")
     text = "\n".join(lines) + "\n"
     for caption, frame in gain_tables(paired, buckets):
-        text += f"\n{caption}\n\n| " + " | ".join(frame.columns) + " |\n|" + "---|" * len(frame.columns) + "\n"
-        text += "".join(f"| {' | '.join(str(v) for v in row)} |\n" for row in frame.itertuples(index=False))
+        text += f"\n{caption}\n\n" + reporting.markdown_table(frame)
     return text
 
 

@@ -168,10 +168,7 @@ def gains_shown(frame: pd.DataFrame) -> pd.DataFrame:
 
 
 def gains_markdown(frame: pd.DataFrame, k: int, level: float = 0.95, reference: str = VANILLA) -> str:
-    lines = [gains_caption(frame, k, level, reference) + "\n",
-             "| variant | eps | seeds | gain | interval | verdict |", "|---|---|---|---|---|---|"]
-    lines += [f"| {' | '.join(str(v) for v in r)} |" for r in gains_shown(frame).itertuples(index=False)]
-    return "\n".join(lines) + "\n"
+    return gains_caption(frame, k, level, reference) + "\n\n" + reporting.markdown_table(gains_shown(frame))
 
 
 def is_grid(results: pd.DataFrame) -> bool:
