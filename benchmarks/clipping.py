@@ -122,7 +122,7 @@ def cell(engine: str, V: int, B: int, d: int, layers: int, T: int, repeats: int,
             wrapped = GradSampleModuleFastGradientClipping(model, batch_first=True, loss_reduction="sum",
                                                            max_grad_norm=1.0, use_ghost_clipping=True)
 
-            def step():  # as pipeline/seqrec/clipping/ghost.py: norms by hooks, then the re-weighted backward
+            def step():  # as pipeline/clipping/opacus.py's Ghost: norms by hooks, then the re-weighted backward
                 wrapped.zero_grad(set_to_none=True)
                 losses = per_example(wrapped, ids)
                 losses.sum().backward(retain_graph=True)

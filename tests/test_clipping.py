@@ -436,6 +436,21 @@ def test_opacus_engines_share_the_interface_and_ghost_refuses_a_tie_by_name():
         assert torch.allclose(found[name][0], found["phantom"][0], rtol=1e-10)
         assert all(torch.allclose(a, b, rtol=1e-9) for a, b in zip(found[name][1], found["phantom"][1]))
 
+    class Twice(torch.nn.Module):  # one layer, held once, called twice: its parameters used twice
+        def __init__(self):
+            super().__init__()
+            self.layer = torch.nn.Linear(4, 4)
+
+        def forward(self, h):
+            return self.layer(torch.tanh(self.layer(h)))
+
+    torch.manual_seed(0)
+    reused = torch.nn.Sequential(torch.nn.Embedding(11, 4), Twice(), torch.nn.Linear(4, 11, bias=False)).double()
+    assert opacus.shared_parameters(reused) == []  # held by one module: found on the forward pass
+    with pytest.raises(Unsupported, match=r"parameter used twice \(Parameter tying is not supported"):
+        opacus.Ghost(reused, C=1.0).step(loss_fn, ids)  # Opacus's own refusal of its Linear called twice, as ours
+    assert all(p.grad is None for p in reused.parameters())  # refused before any gradient
+
 
 @pytest.mark.parametrize("sum_by", ["bookkeeping", "backward"])
 def test_the_engine_holds_no_layer_output_through_its_passes(sum_by):

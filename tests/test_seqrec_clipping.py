@@ -139,8 +139,13 @@ def test_ghost_equals_brute_force_on_strided_ids():
 
 
 def test_ghost_refuses_a_tied_model():
-    with pytest.raises(ValueError, match="tied"):
-        clipping.make("ghost", build("transformer", True), clip_cfg())
+    from pipeline.clipping import Unsupported
+
+    engine = clipping.make("ghost", build("transformer", True), clip_cfg())  # one TiedEmbedding, called twice
+    with pytest.raises(Unsupported, match="parameter used twice .* called 2 times in one forward pass"):
+        engine.step(IDS, TARGETS)
+    _, norms = clipping.make("ghost", build("transformer", False), clip_cfg()).step(IDS, TARGETS)  # untied: runs
+    assert norms.shape == (IDS.shape[0],) and bool((norms > 0).all())
 
 
 def test_phantom_finds_a_parameter_held_by_two_layers():

@@ -2,7 +2,10 @@
 (losses, norms)``, the clipped sum left in ``p.grad``), for comparing against it: ``PerSample``,
 Opacus's hooks mode (every example's gradient instantiated; the reference), and ``Ghost``, its fast
 gradient clipping (no per-example gradients; it refuses a parameter used twice, so untied models
-only, refused here by name before any compute). Both clip with c_i = min(1, C / (||g_i|| + 1e-6)).
+only: a parameter held by two modules is refused by name before any compute, a module called twice in
+one forward pass, such as a table used as input lookup and output layer, on the first forward pass,
+before any gradient). Both clip with ``engine.coefficients``: by default
+the classic c_i = min(1, C / (||g_i|| + 1e-6)); ``rule="automatic"`` C / (||g_i|| + gamma).
 
 Opacus records activations in training mode only: call ``model.train()`` (with dropout off where a
 comparison must be exact). Inputs that reach an embedding must be contiguous (Opacus views them).
@@ -10,7 +13,9 @@ comparison must be exact). Inputs that reach an embedding must be contiguous (Op
 
 from __future__ import annotations
 
+import contextlib
 import warnings
+from collections.abc import Iterator
 from typing import Any, Callable
 
 import torch
@@ -28,16 +33,42 @@ def shared_parameters(model: nn.Module) -> list[str]:
     return [names[0] for names in holders.values() if len(names) > 1]
 
 
+@contextlib.contextmanager
+def _calls(model: nn.Module) -> Iterator[dict[str, int]]:
+    """Within the block, how many times each module holding a trainable parameter is called: one
+    called twice (a table used as input lookup and output layer by one module, a layer reused across
+    blocks) uses its parameters twice, which ghost clipping cannot see."""
+    calls: dict[str, int] = {}
+
+    def count(name: str):
+        return lambda module, args, out: calls.__setitem__(name, calls.get(name, 0) + 1)
+
+    handles = [m.register_forward_hook(count(name)) for name, m in model.named_modules()
+               if any(p.requires_grad for p in m.parameters(recurse=False))]
+    try:
+        yield calls
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def _quiet() -> None:
+    """Torch's warnings on Opacus's hooks that say nothing here: integer inputs need no gradient, so its
+    full backward hooks see outputs only; CPU autocast's notes on its dtypes."""
+    warnings.filterwarnings("ignore", message="Full backward hook is firing")
+    warnings.filterwarnings("ignore", message="In CPU autocast")
+
+
 class PerSample:
     """Opacus's hooks mode: per-example gradients, then their clipped sum."""
 
     private = True
 
-    def __init__(self, model: nn.Module, C: float):
+    def __init__(self, model: nn.Module, C: float, rule: str = "classic", gamma: float = 0.01):
         from opacus import GradSampleModule
 
-        warnings.filterwarnings("ignore", message="Full backward hook is firing")
-        self.C = float(C)
+        _quiet()
+        self.C, self.rule, self.gamma = float(C), str(rule), float(gamma)
         self.gsm = GradSampleModule(model, batch_first=True, loss_reduction="sum")
         self.params = [p for p in model.parameters() if p.requires_grad]
 
@@ -47,7 +78,7 @@ class PerSample:
         losses.sum().backward()
         grads = [p.grad_sample for p in self.params]
         norms = torch.stack([g.flatten(1).square().sum(1) for g in grads]).sum(0).sqrt()
-        c = coefficients(norms, C=self.C)
+        c = coefficients(norms, C=self.C, rule=self.rule, gamma=self.gamma)
         for p, g in zip(self.params, grads):
             p.grad = torch.einsum("n,n...->...", c, g)
             p.grad_sample = None
@@ -60,24 +91,37 @@ class Ghost:
 
     private = True
 
-    def __init__(self, model: nn.Module, C: float):
+    def __init__(self, model: nn.Module, C: float, rule: str = "classic", gamma: float = 0.01):
         from opacus.grad_sample import GradSampleModuleFastGradientClipping
 
         tied = shared_parameters(model)
         if tied:
             raise Unsupported(f"Opacus's ghost clipping cannot clip a parameter used twice ({tied[0]} is tied): "
                               "use PhantomClipping, or untie the model")
-        warnings.filterwarnings("ignore", message="Full backward hook is firing")
-        self.C = float(C)
+        _quiet()
+        self.C, self.rule, self.gamma = float(C), str(rule), float(gamma)
+        self.model = model
         self.gsm = GradSampleModuleFastGradientClipping(model, batch_first=True, loss_reduction="sum",
                                                         max_grad_norm=self.C, use_ghost_clipping=True)
 
     def step(self, loss_fn: Callable[[nn.Module, Any], torch.Tensor], batch: Any):
         self.gsm.zero_grad(set_to_none=True)
-        losses = loss_fn(self.gsm, batch)
+        advice = "use PhantomClipping, or a model that calls each layer once"
+        with _calls(self.model) as calls:
+            try:
+                losses = loss_fn(self.gsm, batch)
+            except NotImplementedError as err:  # Opacus's own refusal: one of its layers called a second time
+                if "tying" not in str(err):
+                    raise
+                raise Unsupported(f"Opacus's ghost clipping cannot clip a parameter used twice ({err}): {advice}") from None
+        twice = {name: k for name, k in calls.items() if k > 1}
+        if twice:  # its norm would be a sum over calls, without their cross terms: too small
+            name, k = next(iter(twice.items()))
+            raise Unsupported(f"Opacus's ghost clipping cannot clip a parameter used twice ({name or 'the model'} "
+                              f"was called {k} times in one forward pass, its parameters with it): {advice}")
         losses.sum().backward(retain_graph=True)
         norms = self.gsm.get_norm_sample().detach()
-        c = coefficients(norms, C=self.C)
+        c = coefficients(norms, C=self.C, rule=self.rule, gamma=self.gamma)
         self.gsm.zero_grad(set_to_none=True)
         self.gsm.disable_hooks()
         try:
