@@ -131,7 +131,7 @@ def batches(seqs: data.Sequences, users: int) -> tuple[torch.Tensor, torch.Tenso
 
 def engine_for(variant: str, model, cfg: DictConfig):
     if variant == "one_branch":
-        return clipping.Phantom(model, cfg.clipping, engine=OneBranchPhantom(model, cfg.clipping))
+        return clipping.phantom(model, cfg.clipping, engine=OneBranchPhantom(model, cfg.clipping))
     return clipping.make(cfg.clipping.name, model, cfg.clipping)
 
 
