@@ -15,7 +15,7 @@ from hydra_plugins.pipeline_sweeper import compose_cache
 
 ROOT = Path(__file__).resolve().parents[1]
 EXPERIMENTS = sorted(p.stem for p in ROOT.glob("conf/*/experiment/*.yaml"))
-FIRST = 3  # cells of each sweep compared (Hydra composes one in about 0.1 s; the first is a cache miss)
+FIRST = 3  # the first cells of each sweep compared (Hydra composes one in about 0.1 s; the first is a cache miss)
 
 
 @pytest.fixture
@@ -73,29 +73,59 @@ def test_group_choices_values_additions_and_deletions_in_one_cell(loader):
     ]
     for cell in cells:
         _same(cached.load_sweep_config(master, cell), loader.load_sweep_config(master, cell))
-    assert len(compose_cache._BASES) == 6  # model=gru composed once for two cells
+    assert len(compose_cache._BASES) == 4  # model=gru, model=dpformer, the preset alone and with hydra.job.name
+
+
+def _either(loader, cached, master, cell):
+    """The cached composition equals Hydra's, or fails with Hydra's error where Hydra's fails."""
+    try:
+        full = loader.load_sweep_config(master, cell)
+    except Exception as expected:  # noqa: BLE001
+        with pytest.raises(type(expected)) as got:
+            cached.load_sweep_config(master, cell)
+        assert str(got.value) == str(expected), cell
+        return
+    _same(cached.load_sweep_config(master, cell), full)
+
+
+def test_overrides_of_every_kind_apply_in_the_cells_order(loader):
+    """Hydra applies values, additions, deletions and dicts after composing, in the cell's order: a
+    dict after a value of its key wins, a key added then deleted is gone, a value under a dict set
+    later is refused."""
+    master = _master(loader, "experiment=dpformer_ci", "hydra.sweep.dir=/tmp/sweep")
+    cached = compose_cache.SweepConfigLoader(loader)
+    for cell in (["experiment=dpformer_ci", "seqrec.lr=0.01", "seqrec={lr: 0.5}"],
+                 ["experiment=dpformer_ci", "++seqrec.foo=1", "~seqrec.foo"],
+                 ["experiment=dpformer_ci", "+seqrec.foo=1", "~seqrec.foo", "seqrec.lr=0.02"],
+                 ["experiment=dpformer_ci", "plot.colors.a=blue", "plot.colors={a: red}"],
+                 ["experiment=dpformer_ci", "~plot.colors", "model=gru"]):
+        _either(loader, cached, master, cell)
+    assert cached.load_sweep_config(master, ["experiment=dpformer_ci", "seqrec.lr=0.01", "seqrec={lr: 0.5}"]).seqrec.lr == 0.5
 
 
 def test_a_bad_override_fails_as_in_hydra(loader):
     master = _master(loader, "experiment=fig1_lowdim", "hydra.sweep.dir=/tmp/sweep")
     cached = compose_cache.SweepConfigLoader(loader)
-    for cell in (["privacy.epss=1"], ["+privacy.eps=1"], ["regime=nonesuch"], ["privacy.eps=[1"]):
+    for cell in (["privacy.epss=1"], ["+privacy.eps=1"], ["regime=nonesuch"], ["privacy.eps=[1"],
+                 ["regime.N=10", "method@x=ridge"]):
         with pytest.raises(Exception) as expected:
             loader.load_sweep_config(master, cell)
         with pytest.raises(type(expected.value)) as got:
             cached.load_sweep_config(master, cell)
         assert str(got.value) == str(expected.value), cell
-    assert not compose_cache._BASES or all(isinstance(b, type(master)) for b in compose_cache._BASES.values())
 
 
-def test_a_cached_base_is_not_shared_across_sweeps_or_modified_by_a_cell(loader):
+def test_a_cached_base_is_a_cells_own_and_kept_per_sweep_and_working_folder(loader, tmp_path, monkeypatch):
     cached = compose_cache.SweepConfigLoader(loader)
     first = _master(loader, "experiment=fig1_lowdim")
     a = cached.load_sweep_config(first, ["regime.N=1000", "privacy.eps=0.2"])
-    a.privacy.eps = 99.0  # a cell's config is its own
+    a.seed = 99  # a cell's config is its own: the next cell, which does not set seed, keeps the default
     b = cached.load_sweep_config(first, ["regime.N=1000", "privacy.eps=0.5"])
-    assert b.privacy.eps == 0.5 and len(compose_cache._BASES) == 1
+    assert b.seed == 0 and b.privacy.eps == 0.5 and len(compose_cache._BASES) == 1
+    monkeypatch.chdir(tmp_path)  # the same sweep from another working folder (hydra.runtime.cwd): its own base
+    c = cached.load_sweep_config(first, ["regime.N=1000", "privacy.eps=0.2"])
+    assert c.hydra.runtime.cwd == str(tmp_path) and len(compose_cache._BASES) == 2
     other = loader.load_configuration("config", ["hydra.sweeper.sweep_id=other", "experiment=fig1_lowdim"],
                                       RunMode.MULTIRUN)
     cached.load_sweep_config(other, ["regime.N=1000", "privacy.eps=0.2"])
-    assert len(compose_cache._BASES) == 2
+    assert len(compose_cache._BASES) == 3

@@ -76,6 +76,7 @@ def test_the_audits_shared_canary_fits_as_its_materialised_copy(cfg_for, method)
     spec = cfg.method[method]
     problem = canary(const, 7, D64, neighbour=True)
     f = problem.private
+    assert f.shared() is not None  # the canary's runs share their prompts (what this test is about)
     copied = Features(f.q.contiguous(), f.v.contiguous(), f.y.contiguous())
     twin = dataclasses.replace(problem, train=copied, private=copied, test=copied, fits={})
     fitted = ESTIMATORS[spec.estimator].fit(problem, const, cfg, spec).gamma

@@ -144,6 +144,17 @@ def test_validation_names_the_key(cfg_for, override, needle):
         tasks.validate(cfg_for(*TINY, override))
 
 
+def test_ghost_clipping_of_a_recurrent_model_is_refused_before_it_runs(cfg_for):
+    """The GRU's and LSTM's recurrent layer is called at every step: Opacus's ghost clipping refuses
+    it at the first forward pass; the config refuses it before anything runs, naming the pair."""
+    from pipeline import tasks
+
+    for model in ("gru", "lstm"):
+        with pytest.raises(ConfigError, match=f"clipping=ghost with model={model}: .* layer called more than once"):
+            tasks.validate(cfg_for(*TINY, f"model={model}", "clipping=ghost", "model.tied=false"))
+    tasks.validate(cfg_for(*TINY, "model=gru", "clipping=per_sample"))
+
+
 def test_unknown_model_or_clipping_option_is_refused_by_hydra(cfg_for):
     for override in ("model=nosuch", "clipping=nosuch"):
         with pytest.raises(Exception, match="nosuch"):

@@ -13,17 +13,20 @@ is, in Hydra's own order (``ConfigLoaderImpl._load_configuration_impl``):
    order.
 
 ``SweepConfigLoader.load_sweep_config`` does step 1 once per distinct set of the other overrides
-(group choices, deletions, dict values and every ``hydra.*`` override), through Hydra itself, and
-then steps 2 and 3 on a copy for each cell. What it returns equals Hydra's composition of the cell
-(``tests/test_compose_cache.py`` compares every cell of every experiment's sweep, config and flags);
-anything it cannot take apart (an error, a sweep value) is composed by Hydra as before, so errors
-read as Hydra's. The composed bases are kept per process and per sweep (its id), so a joblib or
-submitit worker composes each base once for all the cells it runs.
+(group choices and every ``hydra.*`` override), through Hydra itself, and then steps 2 and 3 on a
+copy for each cell, every other override (values, additions, deletions, dicts) applied in the
+cell's order as Hydra applies them. What it returns equals Hydra's composition of the cell
+(``tests/test_compose_cache.py`` compares the first cells of every experiment's sweep, config and
+flags, and cells that mix those kinds of override); anything it cannot take apart (an error, a sweep
+value) is composed by Hydra as before, so errors read as Hydra's. The composed bases are kept per
+process, sweep (its id), working folder and search path, so a joblib or submitit worker composes each
+base once for all the cells it runs.
 """
 
 from __future__ import annotations
 
 import copy
+import os
 from typing import Any
 
 from hydra._internal.config_loader_impl import ConfigLoaderImpl, get_overrides_dirname
@@ -53,26 +56,24 @@ class SweepConfigLoader:
         hydra_overrides = list(OmegaConf.to_container(master_config.hydra.overrides.hydra))
         try:
             parsed = OverridesParser.create().parse_overrides(overrides)
-            sweep = str(master_config.hydra.sweeper.get("sweep_id", ""))
-            repository = self._repository(sweep, config_name, hydra_overrides + [o.input_line for o in parsed
-                                                                                if o.is_hydra_override()])
+            where = (str(master_config.hydra.sweeper.get("sweep_id", "")), config_name, os.getcwd(),
+                     tuple((p.provider, p.path) for p in self.loader.get_search_path().get_path()))
+            repository = self._repository(where, hydra_overrides + [o.input_line for o in parsed
+                                                                   if o.is_hydra_override()])
             values = [o for o in parsed if _is_value(o, repository)]
-        except Exception:  # noqa: BLE001 -- Hydra says what is wrong, as it always did
-            return self.loader.load_sweep_config(master_config, overrides)
-        if not values:
-            return self.loader.load_sweep_config(master_config, overrides)
-        others = [o.input_line for o in parsed if not any(o is v for v in values)]
-        key = (sweep, config_name, tuple(hydra_overrides), tuple(others))
-        base = _BASES.get(key)
-        if base is None:
-            base = self.loader.load_sweep_config(master_config, others)
-            if len(_BASES) >= _LIMIT:
-                _BASES.clear()
-            _BASES[key] = base
-        cfg = copy.deepcopy(base)
-        try:
-            ConfigLoaderImpl._apply_overrides_to_config(values, cfg)
-        except Exception:  # noqa: BLE001 -- a bad value: Hydra's own composition raises its own error
+            if not values:
+                return self.loader.load_sweep_config(master_config, overrides)
+            others = [o.input_line for o in parsed if not any(o is v for v in values)]
+            key = (*where, tuple(hydra_overrides), tuple(others))
+            base = _BASES.get(key)
+            if base is None:
+                base = self.loader.load_sweep_config(master_config, others)
+                if len(_BASES) >= _LIMIT:
+                    _BASES.clear()
+                _BASES[key] = base
+            cfg = copy.deepcopy(base)
+            ConfigLoaderImpl._apply_overrides_to_config(values, cfg)  # in the cell's order, as Hydra applies them
+        except Exception:  # noqa: BLE001 -- Hydra's own composition, and its own error where there is one
             return self.loader.load_sweep_config(master_config, overrides)
         task = [o for o in parsed if not o.is_hydra_override()]
         with open_dict(cfg.hydra):
@@ -83,22 +84,22 @@ class SweepConfigLoader:
         OmegaConf.copy_cache(from_config=master_config, to_config=cfg)
         return cfg
 
-    def _repository(self, sweep: str, config_name: str, hydra_overrides: list[str]) -> Any:
-        """Hydra's config repository for this primary config and these Hydra overrides (a
-        ``hydra.searchpath`` among them changes where groups are found), as its composition builds it."""
-        key = (sweep, config_name, tuple(hydra_overrides))
+    def _repository(self, where: tuple, hydra_overrides: list[str]) -> Any:
+        """Hydra's config repository for this sweep, primary config, working folder and search path and
+        these Hydra overrides (a ``hydra.searchpath`` among them changes where groups are found), as
+        its composition builds it."""
+        key = (*where, tuple(hydra_overrides))
         if key not in _REPOS:
             if len(_REPOS) >= _LIMIT:
                 _REPOS.clear()
-            _REPOS[key] = self.loader._parse_overrides_and_create_caching_repo(config_name, hydra_overrides)[1]
+            _REPOS[key] = self.loader._parse_overrides_and_create_caching_repo(where[1], hydra_overrides)[1]
         return _REPOS[key]
 
 
 def _is_value(override: Any, repository: Any) -> bool:
-    """Whether an override only sets a value after composition (Hydra's ``Overrides``: not a config
-    group, not a dict, not a deletion or a sweep; and not ``hydra.*``, which may steer composition)."""
-    if override.is_hydra_override() or override.is_sweep_override() or override.is_delete():
+    """Whether Hydra applies the override to the composed config (its ``Overrides``: a dict, or a
+    key that is no config group; deletions and additions included, in the cell's order), rather
+    than using it to compose; ``hydra.*`` overrides, which may steer composition, are composed."""
+    if override.is_hydra_override() or override.is_sweep_override():
         return False
-    if isinstance(override.value(), dict):
-        return False
-    return not repository.group_exists(override.key_or_group)
+    return isinstance(override.value(), dict) or not repository.group_exists(override.key_or_group)

@@ -4,7 +4,9 @@ Opacus's hooks mode (every example's gradient instantiated; the reference), and 
 gradient clipping (no per-example gradients; it refuses a parameter used twice, so untied models
 only: a parameter held by two modules is refused by name before any compute, a module called twice in
 one forward pass, such as a table used as input lookup and output layer, on the first forward pass,
-before any gradient). Both clip with ``engine.coefficients``: by default
+before any gradient). Not seen by either check: a parameter used outside any call of the module
+that holds it (``h @ emb.weight.T`` in a parent's forward); Opacus's ghost norms leave that use out,
+so such a model needs ``PhantomClipping``, whose first-batch self-check refuses it. Both clip with ``engine.coefficients``: by default
 the classic c_i = min(1, C / (||g_i|| + 1e-6)); ``rule="automatic"`` C / (||g_i|| + gamma).
 
 Opacus records activations in training mode only: call ``model.train()`` (with dropout off where a
@@ -36,8 +38,11 @@ def shared_parameters(model: nn.Module) -> list[str]:
 @contextlib.contextmanager
 def _calls(model: nn.Module) -> Iterator[dict[str, int]]:
     """Within the block, how many times each module holding a trainable parameter is called: one
-    called twice (a table used as input lookup and output layer by one module, a layer reused across
-    blocks) uses its parameters twice, which ghost clipping cannot see."""
+    called twice (a table used as input lookup and output layer by one module, a layer reused inside
+    a block) uses its parameters twice. Opacus 1.6 refuses its own Linear and Embedding called twice
+    and, for other layers, sums per-call per-example gradients; ``Ghost`` refuses every layer called
+    twice alike, as the seqrec engine it replaces refused the tied model, rather than depend on which
+    of Opacus's paths a layer takes."""
     calls: dict[str, int] = {}
 
     def count(name: str):
@@ -113,9 +118,11 @@ class Ghost:
             except NotImplementedError as err:  # Opacus's own refusal: one of its layers called a second time
                 if "tying" not in str(err):
                     raise
+                self.gsm._close()  # its hooks off the caller's model
                 raise Unsupported(f"Opacus's ghost clipping cannot clip a parameter used twice ({err}): {advice}") from None
         twice = {name: k for name, k in calls.items() if k > 1}
-        if twice:  # its norm would be a sum over calls, without their cross terms: too small
+        if twice:  # refused whatever Opacus would do with it (see _calls)
+            self.gsm._close()
             name, k = next(iter(twice.items()))
             raise Unsupported(f"Opacus's ghost clipping cannot clip a parameter used twice ({name or 'the model'} "
                               f"was called {k} times in one forward pass, its parameters with it): {advice}")

@@ -95,6 +95,10 @@ def validate(cfg: DictConfig) -> None:
     _choice(c.get("norm_form", "auto"), "clipping.norm_form", MODES)
     _choice(c.get("sum_by", "bookkeeping"), "clipping.sum_by", SUM_BY)
     _choice(c.get("check", "first"), "clipping.check", CHECKS)
+    if c.name == "ghost" and m.arch != "transformer":
+        raise ConfigError(f"clipping=ghost with model={m.name}: Ghost Clipping (Opacus) refuses a layer called "
+                          f"more than once in a forward pass, as the {m.arch.upper()}'s recurrent layer is at every "
+                          "step; use clipping=phantom or per_sample")
     if c.name == "ghost" and m.tied:
         raise ConfigError(f"clipping=ghost with model={m.name}: Ghost Clipping (Opacus) refuses the tied item "
                           "embedding; use model=transformer_untied or transformer_untied_half, or clipping=phantom")
