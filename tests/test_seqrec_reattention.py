@@ -261,8 +261,8 @@ def test_sampled_form_every_blocks_logit_variance_against_monte_carlo(scale, cfg
     its attention as a noisy model would, from its own draws), on the trained model of the test above:
     per block, the median ratio within [0.8, 1.25] and its 5th percentile above 0.5 (issue 41's targets).
     With 32 draws a logit's sampled variance has a relative sd of about sqrt(2 / 31), 25%; Monte Carlo's
-    own, from 200 copies, 10%. Measured with 100 copies: block 1 (0.64-0.65, 0.93, 1.39-1.42), block 2
-    (0.52-0.60, 0.99-1.00, 1.38-1.40) at both scales."""
+    own, from 200 copies, 10%. Measured at these settings (2026-11-27, both scales): block 1 (0.71-0.72,
+    0.96-0.98, 1.61-1.64), block 2 (0.75-0.77, 1.07-1.08, 1.44-1.53)."""
     from pipeline.seqrec import perturb
 
     model, rows = _trained_dpformer(cfg_for)
