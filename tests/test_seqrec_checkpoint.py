@@ -35,9 +35,12 @@ def _train(cfg, seqs, **kw):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("model", ["transformer", "dpformer"])
+@pytest.mark.parametrize("model", ["transformer", "dpformer", "dpformer,model.reattention.form=sampled"])
 def test_a_stopped_run_resumes_to_the_uninterrupted_numbers(cfg_for, tmp_path, model):
-    cfg = cfg_for("experiment=dpformer_ci", f"model={model}", "seqrec.epochs=4", "model.dropout=0.3")
+    """(form=sampled: its draws are the step's, so a resumed run draws what the uninterrupted one drew.)"""
+    model, *more = model.split(",")
+    cfg = cfg_for("experiment=dpformer_ci", f"model={model}", "seqrec.epochs=4", "model.dropout=0.3", *more,
+                  *(["model.reattention.draws=4"] if more else []))
     seqs = data.load(cfg.dataset, int(cfg.dataset.L), 0)
     whole, history = _train(cfg, seqs, checkpoint=tmp_path / "whole.pt", digest="d")
 

@@ -96,7 +96,8 @@ def test_it_is_the_autograd_linearisation_of_block_1(heads, path):
 
 def test_the_monte_carlo_benchmark_prints_and_writes_both_rules(tmp_path, capsys):
     """benchmarks/reattention_mc.py at a toy size (a made-up interactions file, two steps, five draws):
-    block 1, and block 2 with its keys pulled back and by the per-coordinate rule, per median error."""
+    block 1, and block 2 with its keys pulled back and by the per-coordinate rule, and both blocks of
+    form=sampled, per median error."""
     import json
 
     from benchmarks import reattention_mc
@@ -107,10 +108,12 @@ def test_the_monte_carlo_benchmark_prints_and_writes_both_rules(tmp_path, capsys
     data.write_text("\n".join(lines) + "\n")
     out = tmp_path / "mc.json"
     assert reattention_mc.main(["--data", str(data), "--steps", "2", "--batch", "4", "--medians", "0.05", "6",
-                                "--users", "2", "--draws", "5", "--json", str(out)]) == 0
+                                "--users", "2", "--draws", "5", "--sample-draws", "4", "--json", str(out)]) == 0
     rows = json.loads(out.read_text())["rows"]
     assert [(r["item_err_median"], r["block"], r["keys"]) for r in rows] == [
-        (m, b, k) for m in (0.05, 6.0) for b, k in ((1, "pullback"), (2, "pullback"), (2, "per-coordinate"))]
+        (m, b, k) for m in (0.05, 6.0)
+        for b, k in ((1, "pullback"), (2, "pullback"), (2, "per-coordinate"), (1, "sampled"), (2, "sampled"))]
     assert all(0 < r["q05"] <= r["median"] <= r["q95"] for r in rows)
-    assert "per-coordinate" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "per-coordinate" in printed and "block 2 (sampled) within the targets" in printed
     assert reattention_mc.main(["--data", str(tmp_path / "missing.txt")]) == 2

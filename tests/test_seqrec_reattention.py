@@ -169,9 +169,38 @@ def test_layer_norm_moments_against_monte_carlo(token_scale, noise_scale):
 SCALES = {"cpu_preset": (0.0017, 0.06, 0.23), "full_amazon": (0.0018, 6.0, 45.0)}
 
 
+def _set_scale(model, scale: str, g: torch.Generator) -> None:
+    """The block error of ``SCALES[scale]`` and item errors log-uniform between its two item bounds."""
+    block, low, high = SCALES[scale]
+    items = torch.exp(math.log(low) + (math.log(high) - math.log(low)) *
+                      torch.rand(model.item_err.numel(), generator=g, dtype=torch.float64))
+    items[0] = 0
+    model.set_errors(block, items)
+
+
+def _ratio_quantiles(rec: dict, mc: torch.Tensor, real: torch.Tensor) -> list[float]:
+    """5th, 50th and 95th percentiles of the recorded / Monte Carlo logit variances over the real
+    (query, key) pairs the attention allows."""
+    shown = (rec["att"] > 0) & real[:, None, :, None] & real[:, None, None, :]
+    ratio = (rec["var"] / mc)[shown]
+    return torch.quantile(ratio, torch.tensor([0.05, 0.5, 0.95], dtype=ratio.dtype)).tolist()
+
+
+_TRAINED = {}  # the trained model, once per test process (each test gets a copy)
+
+
 def _trained_dpformer(cfg_for):
     """A DPFormer (paper's d = 64, 2 blocks) trained without noise on the CI data: attention and
     LayerNorm scales away from initialisation."""
+    import copy
+
+    if "model" not in _TRAINED:
+        _TRAINED["model"] = _train_dpformer(cfg_for)
+    model, rows = _TRAINED["model"]
+    return copy.deepcopy(model), rows
+
+
+def _train_dpformer(cfg_for):
     from pipeline.seqrec import data
 
     cfg = cfg_for("experiment=dpformer_ci", "model=dpformer", "model.d=64", "model.d_ff=64", "privacy.eps=inf",
@@ -207,12 +236,8 @@ def test_every_blocks_logit_variance_against_monte_carlo(state, scale, cfg_for):
         seqs = data.load(cfg.dataset, int(cfg.dataset.L), 0)
         torch.manual_seed(0)
         model, rows = train.build(cfg.model, seqs.n_items, seqs.L).double().eval(), seqs.train
-    block, low, high = SCALES[scale]
     g = torch.Generator().manual_seed(7)
-    items = torch.exp(math.log(low) + (math.log(high) - math.log(low)) *
-                      torch.rand(model.item_err.numel(), generator=g, dtype=torch.float64))
-    items[0] = 0
-    model.set_errors(block, items)
+    _set_scale(model, scale, g)
     longest = (rows[:, :-1] != 0).sum(1).argsort(descending=True)[:4]
     ids = rows[longest, :-1]
     record = []
@@ -222,13 +247,70 @@ def test_every_blocks_logit_variance_against_monte_carlo(state, scale, cfg_for):
     real = ids != 0
     assert len(mc) == len(record) == 2
     for b, (rec, m) in enumerate(zip(record, mc)):
-        shown = (rec["att"] > 0) & real[:, None, :, None] & real[:, None, None, :]
-        ratio = (rec["var"] / m)[shown]
-        low_q, median, high_q = torch.quantile(ratio, torch.tensor([0.05, 0.5, 0.95], dtype=ratio.dtype)).tolist()
+        low_q, median, high_q = _ratio_quantiles(rec, m, real)
         assert 0.85 < median < 1.15 and low_q > 0.8 and high_q < 1.4, (b, low_q, median, high_q)
     if state == "trained":  # block 2 attends far from uniformly: what the covariance matters for
         att, allowed = record[1]["att"], (record[1]["att"] > 0).sum(-1)
         assert float((att.max(-1).values * allowed)[real[:, None, :]].median()) > 3
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("scale", list(SCALES))
+def test_sampled_form_every_blocks_logit_variance_against_monte_carlo(scale, cfg_for):
+    """form=sampled against Monte Carlo over noisy copies that are themselves sampled models (each corrects
+    its attention as a noisy model would, from its own draws), on the trained model of the test above:
+    per block, the median ratio within [0.8, 1.25] and its 5th percentile above 0.5 (issue 41's targets).
+    With 32 draws a logit's sampled variance has a relative sd of about sqrt(2 / 31), 25%; Monte Carlo's
+    own, from 200 copies, 10%. Measured at these settings (2026-11-27, both scales): block 1 (0.71-0.72,
+    0.96-0.98, 1.61-1.64), block 2 (0.75-0.77, 1.07-1.08, 1.44-1.53)."""
+    from pipeline.seqrec import perturb
+
+    model, rows = _trained_dpformer(cfg_for)
+    model.form, model.draws = "sampled", 32
+    g = torch.Generator().manual_seed(7)
+    _set_scale(model, scale, g)
+    ids = rows[(rows[:, :-1] != 0).sum(1).argsort(descending=True)[:4], :-1]
+    record = []
+    with torch.no_grad():
+        model(ids, record=record)
+    mc = perturb.logit_variance(model, ids, 200, g)
+    real = ids != 0
+    for b, (rec, m) in enumerate(zip(record, mc)):
+        low_q, median, high_q = _ratio_quantiles(rec, m, real)
+        assert 0.8 <= median <= 1.25 and low_q > 0.5, (b, low_q, median, high_q)
+        assert torch.equal(rec["used"], rec["var"])
+
+
+def test_each_draws_own_variance_is_over_the_others():
+    g = torch.Generator().manual_seed(3)
+    qs, ks = (torch.randn(5, 2, 1, 4, 3, generator=g, dtype=torch.float64) + 10 for _ in range(2))
+    own = ra._own_variances(qs, ks)
+    for i in range(5):
+        others = torch.cat([ks[:i], ks[i + 1:]])
+        torch.testing.assert_close(own[i], (qs[i] @ others.transpose(-1, -2) / math.sqrt(3)).var(0),
+                                   rtol=1e-10, atol=0)
+
+
+def test_sampled_form_draws_are_the_steps_not_the_batchs():
+    """form=sampled: a user's scores do not depend on the other users of its batch (the draws are of the
+    whole item table, per step), the same step draws the same, another step other draws; the correction
+    moves the scores; with zero errors the model is the vanilla Transformer."""
+    model = build().eval()
+    model.form, model.draws = "sampled", 8
+    model.set_errors(0.05, torch.full((M + 1,), 0.5, dtype=torch.float64))
+    with torch.no_grad():
+        whole = model(IDS)
+        for i in range(IDS.shape[0]):
+            torch.testing.assert_close(model(IDS[i:i + 1])[0], whole[i], rtol=1e-12, atol=1e-12)
+        assert torch.equal(model(IDS), whole)
+        model.at_step(1)
+        other = model(IDS)
+        assert not torch.allclose(other, whole)
+        model.at_step(0)
+        off = _with(model, form="off")
+        assert not torch.allclose(off(IDS), whole)
+        model.set_errors(0.0, torch.zeros(M + 1, dtype=torch.float64))
+        assert torch.equal(model(IDS), off(IDS))
 
 
 def test_zero_noise_is_the_vanilla_transformer_exactly():
@@ -340,8 +422,12 @@ def test_corrected_scores_are_the_divided_and_renormalised_distribution():
         torch.testing.assert_close(record[0]["att"][:, 0], w / w.sum(-1, keepdim=True))
 
 
-def test_phantom_norms_exact_for_dpformer():
+@pytest.mark.parametrize("form", ["propagated", "sampled"])
+def test_phantom_norms_exact_for_dpformer(form):
+    """(form=sampled: the draws are a function of the step alone, so each user's forward alone sees the
+    correction it saw in the batch, and the draws run as tensor operations no engine hook sees.)"""
     model = build().train()
+    model.form, model.draws = form, 4
     model.set_errors(0.3, torch.linspace(0, 1.0, M + 1, dtype=torch.float64))
     rows = []
     for i in range(IDS.shape[0]):
@@ -376,6 +462,8 @@ def test_bad_reattention_settings_are_refused_naming_the_key(cfg_for):
                              ("model.reattention.eps_share=1", r"model\.reattention\.eps_share"),
                              ("model.arch=gru", r"model\.reattention"),
                              ("model.reattention.form=nosuch", r"model\.reattention\.form"),
+                             ("model.reattention.draws=2", r"model\.reattention\.draws"),
+                             ("model.reattention.draws=2.5", r"model\.reattention\.draws"),
                              ("model.reattention.blocks=[3]", r"model\.reattention\.blocks"),
                              ("model.reattention.blocks=[0]", r"model\.reattention\.blocks"),
                              ("model.reattention.blocks=2", r"model\.reattention\.blocks")):

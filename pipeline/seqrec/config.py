@@ -73,6 +73,7 @@ def validate(cfg: DictConfig) -> None:
             raise ConfigError(f"model.reattention needs model.arch=transformer, got {m.arch!r}")
         presence = _choice(m.reattention.get("presence"), "model.reattention.presence", ("public", "private"))
         _choice(m.reattention.get("form", "propagated"), "model.reattention.form", reattention.FORMS)
+        _int(m.reattention.get("draws", 64), "model.reattention.draws", 3)  # each draw's variance: over the others
         _choice(m.reattention.get("errors", "paper"), "model.reattention.errors", reattention.ERRORS)
         corrected = m.reattention.get("blocks")
         if corrected is not None:

@@ -70,6 +70,17 @@ def estimate(cfg: DictConfig, device: str) -> Memory:
     if transformer:  # per block, the (users x heads x L x L) logits and weights a step keeps
         rows = max(batch, min(int(cfg.seqrec.eval_batch), users))
         parts["attention"] = ATTENTION_COPIES * FLOAT * rows * int(cfg.model.heads) * L * L * int(cfg.model.blocks)
+    re = cfg.model.get("reattention")
+    if transformer and re is not None and re.get("form") == "sampled":  # counted, not fitted: the copies' tokens
+        # (about 8 d + 2 d_ff floats each a block: q, k, v, merged, residuals, LayerNorms, the feed-forward),
+        # per block five (users x heads x L x L) tensors of S draws (logits, weights, the own variances and a
+        # draw's deviations and their squares) and three noisy item tables at a time. Checked once (2026-11-27,
+        # CPU, B = 256, L = 50, M = 200, d = 64, d_ff = 256, S = 32): a forward and backward pass grew the
+        # resident set by 1.75 GiB, this part counts 1.94 GiB
+        rows = max(batch, min(int(cfg.seqrec.eval_batch), users))
+        S, heads, d = int(re.get("draws", 64)), int(cfg.model.heads), int(cfg.model.d)
+        parts["Re-Attention's draws"] = FLOAT * (S * rows * L * (8 * d + 2 * int(cfg.model.d_ff) + 5 * heads * L)
+                                                 + 3 * (M + 1) * d)
     if cfg.clipping.name == "per_sample":
         parts["per-user gradients"] = FLOAT * batch * n
     largest = max(parts, key=parts.get)
@@ -79,6 +90,9 @@ def estimate(cfg: DictConfig, device: str) -> Memory:
     elif largest == "activations":
         key, value = "seqrec.batch_size", cfg.seqrec.batch_size
         advice = f"lower seqrec.batch_size, dataset.L (= {L}) or the model (model.d, model.d_ff, model.blocks)"
+    elif largest == "Re-Attention's draws":
+        key, value = "model.reattention.draws", cfg.model.reattention.draws
+        advice = "lower model.reattention.draws, seqrec.batch_size or seqrec.eval_batch, or use form=propagated"
     elif largest == "per-user gradients":
         key, value, advice = "clipping.name", cfg.clipping.name, ("use clipping=phantom (no per-user gradients) or "
                                                                   "lower seqrec.batch_size")

@@ -57,6 +57,33 @@ the noise DP-SGD leaves in the parameters.
    items, whose gradients carry signal, 0.87-0.96 e_T). It needs no item presence, so no
    histogram is released and no eps is spent on it.
 
+5. The sampled variances (``model.reattention.form: sampled``). Where the item errors are as large as the
+   full Amazon data's at eps 5 (6 to 45, the tail's rows far noisier than the embeddings), every block-1
+   token is mostly noise and two things the propagation's delta method cannot carry decide block 2's key
+   variance: block 1's attention weights, random there (each noisy model's correction is itself computed
+   from its noisy activations), and block 1's output scale. Propagated, block 2's logit variances keep
+   the right median but their lower tail falls far below Monte Carlo (``benchmarks/reattention_mc.py``,
+   its table in docs/dpformer.md); linearising the whole network around the clean model is orders of
+   magnitude off instead (measured once in development, 2026-11-27: a median of 6 to 560 times Monte
+   Carlo at item errors 6 and 45). ``sampled`` estimates each block's logit variances by Monte Carlo, beside
+   the model: S = ``draws`` noisy copies of the parameters (the noise model of 1. or 4.: the whole item
+   table, the positions, every block weight) run through the blocks with the model, block by block; at
+   each block the variance over the copies of <q_t, k_s> / sqrt(d_h), q_t the model's query and k_s the
+   copies' keys, is the correction, and each copy corrects its own attention as a noisy model would: by
+   the variance of its own query against the other copies' keys (``_own_variances``; with the model's
+   correction instead, block 2 came out 1.6-2.3 times Monte Carlo at the median, measured once in
+   development). Checked against Monte Carlo over noisy sampled models on trained models
+   (``benchmarks/reattention_mc.py``, ``tests/test_seqrec_reattention.py``). The copies' noise is a
+   function of (the seed the model was built under, the training step) alone, drawn for the whole
+   table: a user's correction does not depend on the other users of its batch (Phantom Clipping's
+   per-user norms stay exact), the engine's self-check and evaluation's chunks see the batch's draws,
+   and a resumed training draws what the uninterrupted one drew. Cost per forward pass, without
+   gradient: S copies of the blocks' forward (S x the activations' memory), S draws of the item table
+   (S (M + 1) d normal numbers), and S^2 n h T^2 d_h for the copies' own variances; the estimate of a
+   logit's variance has a relative sd of about sqrt(2 / (S - 1)) for a Gaussian logit (18% at the default
+   S = 64), more where the noise makes the logits heavy-tailed (at S = 32 the benchmark's block-2 5th
+   percentile fell to a third of Monte Carlo at median item error 6, in development).
+
 Corrections to the paper's printed formulas: Eq. 5.6 subtracts c^2 where it must subtract
 E[Y]^2 (as printed it gives 0.5 for a standard normal input, the right value 0.3408 is Table 3's
 analytic column); zeta in the max approximation of Eq. 5.2 is the Gumbel mean, Euler-Mascheroni's
@@ -72,10 +99,11 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from pipeline import rng
 from pipeline.seqrec.keyvar import Pullback
 from pipeline.seqrec.models import Transformer
 
-FORMS = ("propagated", "paper", "off")  # model.reattention.form: the logit variance the correction uses
+FORMS = ("propagated", "sampled", "paper", "off")  # model.reattention.form: the logit variance the correction uses
 ERRORS = ("paper", "adam")  # model.reattention.errors: the parameters' noise the correction assumes (1. or 4. above)
 EULER_GAMMA = 0.5772156649015329  # zeta of Eq. 5.2: the mean of a standard Gumbel (the paper prints pi^2/6)
 
@@ -207,17 +235,29 @@ class DPFormer(Transformer):
     called, or sigma_dp = 0) its forward is the Transformer's, bit for bit.
 
     Ablations (``model.reattention``): ``form`` is the logit variance the correction subtracts:
-    ``propagated`` (this project's: the linear rule on the logit itself, ``logit_var``), ``paper``
+    ``propagated`` (this project's: the linear rule on the logit itself, ``logit_var``), ``sampled``
+    (Monte Carlo over ``draws`` noisy copies run beside the model: point 5 above), ``paper``
     (Eq. 5.2: the key's coordinates independent, Var_i = sum_j q_j^2 Var K_ij / d_h, which is
     <q, q> sigma_i^2 / d_h when they share one variance) or ``off`` (no correction: the vanilla
     attention of a model built and calibrated the same way); ``blocks``, the blocks corrected
-    (numbered from 1; None: all). The variances are propagated through every block either way."""
+    (numbered from 1; None: all). Except with ``sampled`` (which propagates nothing), the variances are
+    propagated through every block either way."""
 
-    def __init__(self, n_items: int, max_len: int, *, form: str = "propagated", corrected=None, **kw):
+    def __init__(self, n_items: int, max_len: int, *, form: str = "propagated", corrected=None, draws: int = 64,
+                 **kw):
         super().__init__(n_items, max_len, **kw)
         if form not in FORMS:
             raise ValueError(f"form must be one of {FORMS}, got {form!r}")
+        if int(draws) < 3:
+            raise ValueError(f"draws must be at least 3 (each draw's variance is over the others), got {draws!r}")
         self.form = form
+        self.draws = int(draws)
+        # form=sampled: the draws' stream is a function of (seed, step) alone, not of the batch or of how many
+        # forward passes ran (the engine's self-check and evaluation chunks see the draws the batch saw): the
+        # seed torch was seeded with when the model was built (no draw from its stream), the step set by the
+        # training loop (``at_step``; a resumed training sets the step it resumes at)
+        self.sample_seed = torch.initial_seed() % 2**31
+        self.sample_step = 0
         self.corrected = None if corrected is None else frozenset(int(b) for b in corrected)
         self.block_err = 0.0
         self.register_buffer("item_err", torch.zeros(n_items + 1), persistent=False)
@@ -230,6 +270,10 @@ class DPFormer(Transformer):
     def set_errors(self, block: float, items: torch.Tensor) -> None:
         self.block_err = float(block)
         self.item_err = items.to(self.item_err)
+
+    def at_step(self, step: int) -> None:
+        """The training step whose noise draws ``form=sampled`` uses (every forward until the next call)."""
+        self.sample_step = int(step)
 
     def set_uniform_errors(self, err: float) -> None:
         """One error for every parameter, block weights and item rows alike (``errors: adam``); the
@@ -248,6 +292,8 @@ class DPFormer(Transformer):
         and queries "q" (n, h, T, d_h)."""
         if not self.active:
             return super().forward(ids, record=record)
+        if self.form == "sampled":
+            return self._forward_sampled(ids, record)
         x, mask, allowed = self.inputs(ids)
         with torch.no_grad():
             e2 = self.item_err.to(x.dtype)[ids] ** 2 * mask
@@ -291,6 +337,86 @@ class DPFormer(Transformer):
             return lv, torch.zeros_like(lv)
         return lv, lv if self.form == "propagated" else self.paper_logit_var(attn, mean, var, q)
 
+    def _forward_sampled(self, ids: torch.Tensor, record: list | None) -> torch.Tensor:
+        """``form=sampled``: each block's logit variances from ``draws`` noisy copies of the parameters run
+        beside the model, block by block (point 5 of the module docstring)."""
+        x, mask, allowed = self.inputs(ids)
+        g = torch.Generator(device=ids.device)  # the step's stream (pipeline/rng.py: torch keeps 32 bits of a
+        g.manual_seed(int(rng.seeds(self.sample_seed, "reattention:sampled", range(self.sample_step, self.sample_step + 1))[0]))
+        # seed, so seed + step would reuse the training's other generators' seeds)
+        S = self.draws
+        with torch.no_grad():
+            table = self.items.weight
+            rows = torch.empty((S,) + ids.shape + (table.shape[1],), dtype=x.dtype, device=x.device)
+            err = self.item_err.to(table)[:, None]
+            for s in range(S):  # the whole table's noise, one draw at a time: what a row gets is the batch's no matter
+                rows[s] = F.embedding(ids, table + err * torch.randn(table.shape, generator=g, dtype=table.dtype,
+                                                                      device=table.device))
+            pos = self.positions.weight
+            noisy_pos = pos + self.block_err * torch.randn((S,) + pos.shape, generator=g, dtype=pos.dtype,
+                                                           device=pos.device)
+            T = ids.shape[1]
+            xs = rows * mask[..., None] + noisy_pos[:, None, pos.shape[0] - T:]  # (S, n, T, d), dropout ignored
+        for number, block in enumerate(self.blocks, 1):
+            x, xs = self._block_sampled(block, x, xs, allowed, record, number, g)
+        return self.scores(x)
+
+    def _noisy(self, module, g: torch.Generator) -> dict:
+        """The draws' copies of ``module``'s parameters: {name: (draws, *shape)}, each N(0, block_err^2) off."""
+        return {name: p.detach() + self.block_err * torch.randn((self.draws,) + p.shape, generator=g, dtype=p.dtype,
+                                                                device=p.device)
+                for name, p in module.named_parameters(recurse=False)}
+
+    def _block_sampled(self, block, x, xs, allowed, record, number: int, g: torch.Generator):
+        """One block of ``form=sampled``: the model's forward (as ``_block``'s) with the correction the draws
+        give (its query against the draws' keys), and the draws' own forward through their noisy copies of
+        the block, each draw's attention corrected by its own query against the other draws' keys
+        (``_own_variances``), as a noisy model's would be: (output, the draws' outputs (draws, n, T, d))."""
+        attn = block.attn
+        q, v, scores = attn.logits(x)
+        with torch.no_grad():
+            p = {name: self._noisy(m, g) for name, m in (("q", attn.q), ("k", attn.k), ("v", attn.v),
+                                                          ("out", attn.out), ("ln1", block.ln1), ("ln2", block.ln2),
+                                                          ("ff1", block.ff1), ("ff2", block.ff2))}
+
+            def lin(h, name):
+                return torch.einsum("s...i,soi->s...o", h, p[name]["weight"]) + p[name]["bias"][:, None, None]
+
+            def split(h):  # (S, n, T, d) -> (S, n, heads, T, d / heads)
+                return h.unflatten(-1, (attn.heads, -1)).transpose(-2, -3)
+
+            qs, ks, vs = split(lin(xs, "q")), split(lin(xs, "k")), split(lin(xs, "v"))
+            dh = q.shape[-1]
+            lv = (q.detach() @ ks.transpose(-1, -2) / math.sqrt(dh)).var(0)  # the model's query, the draws' keys
+            used = torch.zeros_like(lv) if self.corrected is not None and number not in self.corrected else lv
+        out, att = self._attend(block, x, v, scores, used, allowed)
+        if record is not None:
+            record.append({"var": lv, "used": used, "att": att, "x": x.detach(), "q": q.detach()})
+        with torch.no_grad():
+            own = _own_variances(qs, ks) if used.any() else used  # each draw's correction, as a noisy model makes it
+            ss = (qs @ ks.transpose(-1, -2) / math.sqrt(dh) - own / 2).masked_fill(~allowed[:, None], float("-inf"))
+            ys = (torch.softmax(ss, dim=-1) @ vs).transpose(-2, -3).flatten(-2)  # merged heads (S, n, T, d)
+
+            def norm(h, name, eps):
+                h = (h - h.mean(-1, keepdim=True)) / (h.var(-1, unbiased=False, keepdim=True) + eps).sqrt()
+                return h * p[name]["weight"][:, None, None] + p[name]["bias"][:, None, None]
+
+            x1 = norm(xs + lin(ys, "out"), "ln1", block.ln1.eps)
+            xs = norm(x1 + lin(F.relu(lin(x1, "ff1")), "ff2"), "ln2", block.ln2.eps)
+        return out, xs
+
+    def _attend(self, block, x, v, scores, used, allowed):
+        """The block's forward from its scores on: the correction ``used`` (half of it subtracted from the
+        logits), the masked softmax, dropout, W_o, the residuals, both LayerNorms and the feed-forward:
+        (output, the attention weights before dropout, detached)."""
+        attn = block.attn
+        scores = (scores - used / 2).masked_fill(~allowed[:, None], float("-inf"))
+        att = torch.softmax(scores, dim=-1)
+        a = att.detach()
+        att = attn.drop(att)
+        x1 = block.ln1(x + block.drop(attn.out(attn.merge(att @ v))))
+        return block.ln2(x1 + block.drop(block.ff2(block.drop(F.relu(block.ff1(x1)))))), a
+
     def _block(self, block, x, mean, var, allowed, record, number: int = 1):
         """One block's forward (the model's computation, Re-Attention's correction in its attention)
         and the moments of its output under the parameters' noise: (output, mean, variance).
@@ -305,21 +431,9 @@ class DPFormer(Transformer):
         pull, var = var, var.diag if isinstance(var, Pullback) else var
         with torch.no_grad():
             lv, used = self.correction(attn, mean, pull, q.detach(), number)
-        scores = (scores - used / 2).masked_fill(~allowed[:, None], float("-inf"))
-        att = torch.softmax(scores, dim=-1)
+        out, a = self._attend(block, x, v, scores, used, allowed)
         if record is not None:
-            record.append({"var": lv, "used": used, "att": att.detach(), "x": x.detach(), "q": q.detach()})
-        a = att.detach()
-        att = attn.drop(att)
-        y = attn.merge(att @ v)
-        a_out = attn.out(y)
-        r = x + block.drop(a_out)
-        x1 = block.ln1(r)
-        pre = block.ff1(x1)
-        act = F.relu(pre)
-        f = block.ff2(block.drop(act))
-        r2 = x1 + block.drop(f)
-        out = block.ln2(r2)
+            record.append({"var": lv, "used": used, "att": a, "x": x.detach(), "q": q.detach()})
         with torch.no_grad():
             mean_v = F.linear(mean, attn.v.weight, attn.v.bias)
             var_v = attn.split(linear_var(mean, var, attn.v.weight, err, True))
@@ -341,6 +455,21 @@ class DPFormer(Transformer):
                             var_xhat1, mean_1, var_1, slope, (var_act - slope * slope * var_pre).clamp(min=0), mean_act,
                             var_act, x2, expected_scale(mean_r2, var_r2, block.ln2.eps), var_xhat2, var_out)
         return out, mean_out, pull
+
+
+def _own_variances(qs: torch.Tensor, ks: torch.Tensor) -> torch.Tensor:
+    """For each draw i, the variance over the other draws r != i of the logits <q_i,t, k_r,s> / sqrt(d_h): the
+    correction draw i applies, its own query against keys whose noise is that of its own parameters' draws
+    (``form=sampled``). qs, ks (S, n, h, T, d_h) -> (S, n, h, T, T); S^2 n h T^2 d_h operations, one draw's
+    (S, n, h, T, T) logits held at a time."""
+    S = qs.shape[0]
+    out = torch.empty(qs.shape[:-1] + (ks.shape[-2],), dtype=qs.dtype, device=qs.device)
+    for i in range(S):  # centred on the mean of all S (no cancellation): with D_r = l_r - mean, the others'
+        # sum of D is -D_i, so their unbiased variance is (sum_r D_r^2 - D_i^2 S / (S - 1)) / (S - 2)
+        dev = qs[i] @ ks.transpose(-1, -2) / math.sqrt(qs.shape[-1])
+        dev = dev - dev.mean(0)
+        out[i] = ((dev * dev).sum(0) - dev[i] * dev[i] * (S / (S - 1))) / (S - 2)
+    return out
 
 
 def normalised_moments(r: torch.Tensor, var_r: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:

@@ -101,7 +101,8 @@ def build(cfg, n_items: int, max_len: int) -> models.SeqModel:
         if re is not None:  # model=dpformer
             blocks = re.get("blocks")
             return reattention.DPFormer(n_items, max_len, form=str(re.get("form", "propagated")),
-                                        corrected=None if blocks is None else list(blocks), **shape)
+                                        corrected=None if blocks is None else list(blocks),
+                                        draws=int(re.get("draws", 64)), **shape)
         return models.Transformer(n_items, max_len, **shape)
     if cfg.arch in ("gru", "lstm"):
         return models.Recurrent(n_items, max_len, cell=cfg.arch, d=d, layers=int(cfg.layers), **common)
@@ -250,6 +251,7 @@ def run(seqs, cfg, run_plan: Plan, on_epoch: Callable[[int, dict], None] | None 
         reattention.calibrate(model, seqs.train, sigma_dp=run_plan.sigma, C=float(cfg.clipping.C),
                               batch_size=run_plan.batch_size, presence_multiplier=run_plan.presence_multiplier,
                               generator=torch.Generator().manual_seed(int(cfg.seed) + 2))
+    sampled = isinstance(model, reattention.DPFormer) and model.form == "sampled"
     gen = torch.Generator(device=device).manual_seed(int(cfg.seed) + 1)  # Poisson sampling and noise
     C = float(cfg.clipping.C)
     history = History()
@@ -285,6 +287,8 @@ def run(seqs, cfg, run_plan: Plan, on_epoch: Callable[[int, dict], None] | None 
             done = (epoch - 1) * run_plan.steps_per_epoch + i  # steps taken before this one
             if adam_errs is not None:  # the noise the present parameters carry: e_(t-1), 0 before the first step
                 model.set_uniform_errors(adam_errs[done - 1] if done else 0.0)
+            if sampled:  # model.reattention.form=sampled: this step's draws
+                model.at_step(done)
             pick = (torch.rand(run_plan.n_users, generator=gen, device=device) < run_plan.sample_rate).nonzero().squeeze(1)
             batch = rows[pick]
             losses, norms = noisy_gradient(engine, model, batch[:, :-1], batch[:, 1:], sigma=run_plan.sigma, C=C,
@@ -302,6 +306,8 @@ def run(seqs, cfg, run_plan: Plan, on_epoch: Callable[[int, dict], None] | None 
                 norm_sum += norms.sum().double()
         if adam_errs is not None:  # validation and, after the last epoch, evaluation: e_t after this epoch
             model.set_uniform_errors(adam_errs[epoch * run_plan.steps_per_epoch - 1])
+        if sampled:  # validation's draws: those of the step after the epoch's last
+            model.at_step(epoch * run_plan.steps_per_epoch)
         if not all(bool(torch.isfinite(p).all()) for p in model.parameters()):
             raise Diverged(f"training diverged in epoch {epoch}: a parameter is not finite "
                            f"(seqrec.lr = {train.lr}, clipping.C = {cfg.clipping.C}); the run ends FAILED")
@@ -326,4 +332,6 @@ def run(seqs, cfg, run_plan: Plan, on_epoch: Callable[[int, dict], None] | None 
     bar.close()
     if adam_errs is not None:  # also when a resumed run found every epoch done (its buffers are not checkpointed)
         model.set_uniform_errors(adam_errs[-1])
+    if sampled:  # evaluation's draws (also after a resume that found every epoch done)
+        model.at_step(run_plan.steps)
     return model, history
