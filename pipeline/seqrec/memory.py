@@ -77,7 +77,6 @@ def estimate(cfg: DictConfig, device: str) -> Memory:
         # draw's deviations and their squares) and three noisy item tables at a time. Checked once (2026-11-27,
         # CPU, B = 256, L = 50, M = 200, d = 64, d_ff = 256, S = 32): a forward and backward pass grew the
         # resident set by 1.75 GiB, this part counts 1.94 GiB
-        rows = max(batch, min(int(cfg.seqrec.eval_batch), users))
         S, heads, d = int(re.get("draws", 64)), int(cfg.model.heads), int(cfg.model.d)
         parts["Re-Attention's draws"] = FLOAT * (S * rows * L * (8 * d + 2 * int(cfg.model.d_ff) + 5 * heads * L)
                                                  + 3 * (M + 1) * d)

@@ -62,17 +62,15 @@ the noise DP-SGD leaves in the parameters.
    token is mostly noise and two things the propagation's delta method cannot carry decide block 2's key
    variance: block 1's attention weights, random there (each noisy model's correction is itself computed
    from its noisy activations), and block 1's output scale. Propagated, block 2's logit variances keep
-   the right median but their lower tail falls far below Monte Carlo (``benchmarks/reattention_mc.py``,
-   its table in docs/dpformer.md); linearising the whole network around the clean model is orders of
-   magnitude off instead (measured once in development, 2026-11-27: a median of 6 to 560 times Monte
-   Carlo at item errors 6 and 45). ``sampled`` estimates each block's logit variances by Monte Carlo, beside
+   the right median but their lower tail falls far below Monte Carlo, and linearising the whole network
+   around the clean model is orders of magnitude off instead (docs/dpformer.md gives the figures,
+   ``benchmarks/reattention_mc.py`` the table's). ``sampled`` estimates each block's logit variances by Monte Carlo, beside
    the model: S = ``draws`` noisy copies of the parameters (the noise model of 1. or 4.: the whole item
    table, the positions, every block weight) run through the blocks with the model, block by block; at
    each block the variance over the copies of <q_t, k_s> / sqrt(d_h), q_t the model's query and k_s the
    copies' keys, is the correction, and each copy corrects its own attention as a noisy model would: by
    the variance of its own query against the other copies' keys (``_own_variances``; with the model's
-   correction instead, block 2 came out 1.6-2.3 times Monte Carlo at the median, measured once in
-   development). Checked against Monte Carlo over noisy sampled models on trained models
+   correction instead, block 2 came out well above Monte Carlo: docs/dpformer.md). Checked against Monte Carlo over noisy sampled models on trained models
    (``benchmarks/reattention_mc.py``, ``tests/test_seqrec_reattention.py``). The copies' noise is a
    function of (the seed the model was built under, the training step) alone, drawn for the whole
    table: a user's correction does not depend on the other users of its batch (Phantom Clipping's
@@ -81,8 +79,7 @@ the noise DP-SGD leaves in the parameters.
    gradient: S copies of the blocks' forward (S x the activations' memory), S draws of the item table
    (S (M + 1) d normal numbers), and S^2 n h T^2 d_h for the copies' own variances; the estimate of a
    logit's variance has a relative sd of about sqrt(2 / (S - 1)) for a Gaussian logit (18% at the default
-   S = 64), more where the noise makes the logits heavy-tailed (at S = 32 the benchmark's block-2 5th
-   percentile fell to a third of Monte Carlo at median item error 6, in development).
+   S = 64), more where the noise makes the logits heavy-tailed (why the default is 64: docs/dpformer.md).
 
 Corrections to the paper's printed formulas: Eq. 5.6 subtracts c^2 where it must subtract
 E[Y]^2 (as printed it gives 0.5 for a standard normal input, the right value 0.3408 is Table 3's
