@@ -520,3 +520,20 @@ def test_a_layer_returning_a_transposed_view_is_read_in_its_own_order():
     finally:
         layers.LAYERS.pop(Swapped, None)
 
+
+
+def test_the_forms_benchmark_times_two_forms_that_agree_and_names_autos_choice(capsys):
+    """benchmarks/clipping_forms.py at toy shapes: the Gram form and materialising give one number in
+    two summation orders, and the row names the form ``inner``'s rule took (fewer multiply-adds:
+    T^2 (P + Q) against T P Q for a use with itself, 2 T P Q for two uses)."""
+    from benchmarks import clipping_forms
+
+    rows = clipping_forms.main(["--repeats", "1", "--shape", "direct-wins", "3", "8", "4", "4",
+                                "--shape", "gram-wins", "3", "2", "16", "16"])
+    assert len(rows) == 4 and all(r["max_rel_diff"] < 1e-5 for r in rows), rows
+    for r in rows:
+        T, P, Q = r["T"], r["P"], r["Q"]
+        rule = "gram" if T * T * (P + Q) <= (T if r["kind"] == "self" else 2 * T) * P * Q else "direct"
+        assert r["auto"] == rule and r["gram_s"] > 0 and r["direct_s"] > 0, r
+    assert {r["auto"] for r in rows} == {"gram", "direct"}
+    assert "auto took the slower form in" in capsys.readouterr().out

@@ -335,3 +335,19 @@ def test_the_gpu_checks_figures_are_their_raw_outputs():
             for m in ("vanilla", "DPFormer")]
     amazon = next(k for k in rows if k.startswith("Amazon"))
     assert "eps = 8" in amazon and "privacy.eps=8" in call3 and f"vanilla {eps8[0]}, DPFormer {eps8[1]}" in reference
+
+
+def test_docs_lm_quotes_the_forms_benchmark_at_the_output_layer():
+    """docs/lm.md's account of the tied Phantom step's slow-down: both forms' times at GPT-2's output
+    layer (16 posts x 128 tokens, d = 128) at each V, and how many rows the rule got wrong, from the
+    committed docs/clipping_forms.json (benchmarks/clipping_forms.py, one thread)."""
+    rows = json.loads((ROOT / "docs/clipping_forms.json").read_text())
+    head = {r["P"]: r for r in rows if r["shape"] == "gpt2-lm-head" and r["kind"] == "self"}
+    ms = lambda v: f"{1e3 * v:.0f} ms"
+    direct = ", ".join(ms(head[V]["direct_s"]) for V in (8000, 32000)) + f" and {ms(head[50000]['direct_s'])}"
+    gram = ", ".join(ms(head[V]["gram_s"]) for V in (8000, 32000)) + f" and {ms(head[50000]['gram_s'])}"
+    page = " ".join(text(LM).split())
+    assert f"materialising takes {direct} at V = 8,000, 32,000 and 50,000 against the Gram form's {gram}" in page
+    wrong = sum(r["auto"] != r["faster"] for r in rows)
+    assert f"the rule took the slower form in {wrong} of {len(rows)} rows" in page
+    assert all(r["threads"] == 1 and r["max_rel_diff"] < 1e-4 for r in rows)
