@@ -25,9 +25,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import time
 from pathlib import Path
+
+from benchmarks.measure import measure
 
 SHAPES = [  # (name, n examples, T tokens, P, Q)
     *[("gpt2-lm", 16, 128, p, q) for p, q in ((128, 384), (128, 128), (128, 512), (512, 128))],
@@ -36,16 +36,6 @@ SHAPES = [  # (name, n examples, T tokens, P, Q)
     ("gpt2-clipping-head", 32, 64, 32768, 128),
     *[("dpformer", 256, t, p, q) for t in (20, 50) for p, q in ((64, 64), (64, 256), (256, 64))],
 ]
-
-
-def _time(fn, repeats: int) -> float:
-    fn()  # warm-up
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def row(name: str, n: int, T: int, P: int, Q: int, kind: str, repeats: int, seed: int = 0) -> dict:
@@ -61,7 +51,8 @@ def row(name: str, n: int, T: int, P: int, Q: int, kind: str, repeats: int, seed
     got = {form: inner(a, b, n, (P, Q), form) for form in ("gram", "direct", "auto")}
     scale = float(got["direct"].abs().max()) or 1.0
     auto = "gram" if torch.equal(got["auto"], got["gram"]) else "direct" if torch.equal(got["auto"], got["direct"]) else "?"
-    seconds = {form: _time(lambda: inner(a, b, n, (P, Q), form), repeats) for form in ("gram", "direct")}
+    cpu = torch.device("cpu")
+    seconds = {form: measure(lambda: inner(a, b, n, (P, Q), form), cpu, repeats)[0] for form in ("gram", "direct")}
     faster = min(seconds, key=seconds.get)
     return {"shape": name, "kind": kind, "n": n, "T": T, "P": P, "Q": Q,
             "gram_s": seconds["gram"], "direct_s": seconds["direct"], "direct_over_gram": seconds["direct"] / seconds["gram"],

@@ -521,7 +521,6 @@ def test_a_layer_returning_a_transposed_view_is_read_in_its_own_order():
         layers.LAYERS.pop(Swapped, None)
 
 
-
 def test_the_forms_benchmark_times_two_forms_that_agree_and_names_autos_choice(capsys):
     """benchmarks/clipping_forms.py at toy shapes: the Gram form and materialising give one number in
     two summation orders, and the row names the form ``inner``'s rule took (fewer multiply-adds:
