@@ -39,16 +39,21 @@ def _copy(tmp_path) -> Path:
             (repo / name).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(ROOT / name, repo / name)
     # CI size: two trials, one seed, one epoch, one DPFormer batch size (the tuning grids keep their learning
-    # rates: each table must still run each model at the setting tuned for it), tiny models and data
+    # rates: each table must still run each model at the setting tuned for it), tiny models and data; one
+    # job (joblib in the stage's process): at this size a cell trains in well under a second, and each of
+    # joblib's two workers imports torch and MLflow and calibrates DP-SGD's noise again for every sweep
+    # (idle 2-core machine: DPFormer's stages 194 s of wall and CPU with one job against 318 s of wall and
+    # 421 s of CPU with two; the language model's 111 s of CPU against 158 s). Parallel cells are
+    # tested in tests/test_sweeps.py; here the wiring of dvc.yaml.
     (repo / "params.yaml").write_text(
         f"trials: 2\nnewsgroups_trials: 2\narchive: {ARCHIVE}\ndevice: cpu\n"
         "extra: dataset.n_test=8 compute.chunk_trials=2 mlflow.tracking_uri=sqlite:///mlflow.db\n"
         f"amazon: {AMAZON}\ndpformer_synthetic_data: synthetic_longtail_tiny\ndpformer_amazon_data: amazon_games_tiny\n"
-        "dpformer_jobs: 2\ndpformer_device: cpu\ndpformer_extra: seed=0 seqrec.epochs=1 seqrec.batch_size=128 model.d=8 model.d_ff=16 "
+        "dpformer_jobs: 1\ndpformer_device: cpu\ndpformer_extra: seed=0 seqrec.epochs=1 seqrec.batch_size=128 model.d=8 model.d_ff=16 "
         "mlflow.tracking_uri=sqlite:///mlflow.db\ndpformer_fig3_grid: --B 2 --L 4 --M 20 --repeats 1\n"
         "dpformer_audit_m: 200\ndpformer_audit_input_m: 20\ndpformer_audit_extra: seqrec.epochs=2 seqrec.batch_size=50 "
         "model.d=8 model.d_ff=16 mlflow.tracking_uri=sqlite:///mlflow.db\n"
-        "lm_jobs: 2\nlm_device: cpu\nlm_extra: dataset.posts=60 dataset.eval_posts=10 dataset.L=8 vocab.size=300 "
+        "lm_jobs: 1\nlm_device: cpu\nlm_extra: dataset.posts=60 dataset.eval_posts=10 dataset.L=8 vocab.size=300 "
         "model.d=8 model.layers=1 model.heads=2 train.batch_size=20 train.epochs=1 train.validate_every=1 "
         "privacy.eps=1,inf seed=0,1 mlflow.tracking_uri=sqlite:///mlflow.db\n"
         "lm_cost_grid: --V 300 600 --B 2 --L 4 --d 8 --layers 1 --heads 2 --repeats 1\n"
