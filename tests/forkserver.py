@@ -144,6 +144,15 @@ def serve() -> None:
     torch = sys.modules.get("torch")
     if torch is not None and torch.cuda.is_initialized():  # a forked child could not use CUDA
         raise RuntimeError("the fork server's imports initialised CUDA")
+    import gc
+
+    # The imports' objects out of every collection: a child's collections (the automatic ones and the one
+    # at its exit) walk every tracked object and write to its header, which copied the server's whole
+    # heap into each child page by page (copy-on-write). A refused key took 0.98 s forked against 0.35 s
+    # in a fresh interpreter; frozen, 0.30 s. Nothing a child makes is frozen: its garbage is collected
+    # and its finalisers run as in a fresh interpreter (tests/test_forkserver.py).
+    gc.collect()
+    gc.freeze()
     os.write(1, (json.dumps({"ready": True, "env": started, "imported_env": _startup_env(dict(os.environ))})
                  + "\n").encode())
     running: dict[int, int] = {}  # pid -> request id
