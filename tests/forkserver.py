@@ -19,6 +19,7 @@ request and reports each child's exit status. Children run concurrently.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import os
@@ -308,6 +309,79 @@ def run(args: list[str], *, cwd, env: dict | None = None, timeout: float = 600) 
         if server.forks(env):
             return server.run(args, cwd=cwd, env=env, timeout=timeout)
     return subprocess.run([sys.executable, *args], cwd=cwd, capture_output=True, text=True, env=env, timeout=timeout)
+
+
+# ------------------------------------------------------------ `python` on PATH for other programs' children
+
+_SHIM = """#!{python} -SE
+# `python -m <module> ...` relayed to a test worker's fork server (tests/forkserver.py, on_path);
+# any other use of `python` runs the real interpreter.
+import json, os, socket, sys
+args = sys.argv[1:]
+if len(args) < 2 or args[0] != "-m":
+    os.execv({python!r}, [{python!r}, *args])
+with socket.socket(socket.AF_UNIX) as relay:
+    relay.connect({socket!r})
+    relay.sendall(json.dumps({{"args": args, "cwd": os.getcwd(), "env": dict(os.environ)}}).encode() + b"\\n")
+    answer = json.loads(relay.makefile("rb").read())
+sys.stdout.write(answer["stdout"])
+sys.stderr.write(answer["stderr"])
+sys.stdout.flush()
+sys.stderr.flush()
+if answer["returncode"] < 0:  # ended by a signal: so does this process
+    os.kill(os.getpid(), -answer["returncode"])
+sys.exit(answer["returncode"] if answer["returncode"] >= 0 else 1)
+"""
+
+
+@contextlib.contextmanager
+def on_path(*, timeout: float = 1800):
+    """A folder to put first on PATH for a program that runs ``python -m <module> ...`` itself (DVC's
+    stage commands): its ``python`` and ``python3`` send each such command to this process, which runs
+    it with ``run`` (forked from this process's server, or in a fresh interpreter where ``run`` would
+    start one) and hands back its streams and exit status; any other use of ``python`` runs the real
+    interpreter. Yields the folder."""
+    import shutil
+    import socket
+
+    folder = Path(tempfile.mkdtemp(prefix="py-"))  # short: a Unix socket's path has at most 107 bytes
+    address = str(folder / "relay")
+    listener = socket.socket(socket.AF_UNIX)
+    listener.bind(address)
+    listener.listen()
+    for name in ("python", "python3"):
+        script = folder / name
+        script.write_text(_SHIM.format(python=sys.executable, socket=address))
+        script.chmod(0o755)
+
+    def answer(conn) -> None:
+        with conn:
+            request = json.loads(conn.makefile("rb").readline())
+            try:
+                proc = run(request["args"], cwd=request["cwd"], env=request["env"], timeout=timeout)
+                reply = {"returncode": proc.returncode, "stdout": proc.stdout, "stderr": proc.stderr}
+            except Exception as err:  # noqa: BLE001 - the command's caller sees why, as a failed command
+                reply = {"returncode": 1, "stdout": "", "stderr": f"tests/forkserver.py: {err!r}\n"}
+            conn.sendall(json.dumps(reply).encode())
+
+    def accept() -> None:
+        while True:
+            try:
+                conn, _ = listener.accept()
+            except OSError:  # closed: the block has ended
+                return
+            threading.Thread(target=answer, args=(conn,), daemon=True).start()
+
+    acceptor = threading.Thread(target=accept, daemon=True)
+    acceptor.start()
+    try:
+        yield folder
+    finally:
+        with contextlib.suppress(OSError):
+            listener.shutdown(socket.SHUT_RDWR)  # wakes accept() (closing alone may not)
+        listener.close()
+        acceptor.join(10)
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 if __name__ == "__main__":

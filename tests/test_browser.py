@@ -16,6 +16,7 @@ import time
 import urllib.request
 from pathlib import Path
 
+import forkserver
 import pytest
 
 from conftest import ROOT
@@ -59,10 +60,10 @@ def visible_text(dom: str) -> str:
 def sweep(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("browser")
     store = f"sqlite:///{tmp / 'mlflow.db'}"
-    proc = subprocess.run([sys.executable, "-m", "pipeline", "-m", "trials=2", "regime.N=40,60", "privacy.eps=0.5",
+    proc = forkserver.run(["-m", "pipeline", "-m", "trials=2", "regime.N=40,60", "privacy.eps=0.5",  # forked
                            "dataset.n_test=10", "compute.chunk_trials=2", "method=[ridge,noisyhead]",
                            f"mlflow.tracking_uri={store}", f"hydra.sweep.dir={tmp / 'sweep'}"],
-                          cwd=ROOT, capture_output=True, text=True, env=ENV, timeout=600)
+                          cwd=ROOT, env=ENV, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return tmp, store, proc
 
@@ -183,10 +184,10 @@ def test_report_html_renders_with_its_figures(sweep, shots, tmp_path):
 def dpformer_sweep(sweep):
     """A DPFormer sweep (two models x two eps, one seed) into the same store, under its own experiment."""
     tmp, store, _ = sweep
-    proc = subprocess.run([sys.executable, "-m", "pipeline", "-m", "experiment=dpformer_ci", "model=transformer,dpformer",
+    proc = forkserver.run(["-m", "pipeline", "-m", "experiment=dpformer_ci", "model=transformer,dpformer",
                            "privacy.eps=3,8", "seqrec.epochs=1", f"mlflow.tracking_uri={store}",
                            f"hydra.sweep.dir={tmp / 'dpformer'}"],
-                          cwd=ROOT, capture_output=True, text=True, env=ENV, timeout=600)
+                          cwd=ROOT, env=ENV, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc
 

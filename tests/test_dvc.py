@@ -2,11 +2,12 @@
 outputs appear, and a second `dvc repro` does nothing."""
 
 import json
+import os
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
+import forkserver
 import pandas as pd
 import pytest
 import yaml
@@ -23,8 +24,8 @@ pytestmark = pytest.mark.skipif(shutil.which("dvc") is None or not ARCHIVE.is_fi
                                 reason="needs dvc, ../shared/data/20news-bydate.tar.gz and amazon-games-sasrec.txt")
 
 
-def run(cmd, cwd):
-    proc = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=1800)
+def run(cmd, cwd, env=None):
+    proc = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=1800, env=env)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     return proc.stdout + proc.stderr
 
@@ -161,9 +162,13 @@ def _stages(task: str) -> list[str]:
 @pytest.mark.slow
 @pytest.mark.parametrize("task", ["dpformer", "noisyhead", "lm"])  # longest first (tests/conftest.py starts these first)
 def test_dvc_repro_builds_every_artifact_and_then_does_nothing(tmp_path, task):
+    """Each stage's ``python -m`` is forked from the test worker's fork server (``forkserver.on_path``:
+    a ``python`` first on DVC's PATH relays it), as the command-line tests' are: about 7 s of imports
+    a stage otherwise (what a stage's process imports, in a fresh interpreter: the test below)."""
     repo = _copy(tmp_path)
     stages = _stages(task)
-    first = run(["dvc", "repro", *stages], repo)
+    with forkserver.on_path() as python:
+        first = run(["dvc", "repro", *stages], repo, env=dict(os.environ, PATH=f"{python}{os.pathsep}{os.environ['PATH']}"))
     if task == "noisyhead":
         _noisyhead_artifacts(repo, first)
     elif task == "dpformer":
@@ -236,17 +241,19 @@ LOADS = {  # what a stage's process imports: its entry points and the modules it
 
 @pytest.mark.slow
 @pytest.mark.parametrize("stage", sorted(LOADS))
-def test_a_stage_depends_on_every_module_it_loads(stage):
+def test_a_stage_depends_on_every_module_it_loads(stage, tmp_path):
     """The deps are listed file by file (so that one task's edits do not re-run the other's
     stages): every pipeline module the stage's process imports must be covered, and NoisyHead's
-    stages must not depend on DPFormer's code nor the other way round."""
+    stages must not depend on DPFormer's code nor the other way round. (The probe is forked from the
+    fork server, which imports no module of this project: tests/forkserver.py.)"""
     from omegaconf import OmegaConf
 
     deps = OmegaConf.to_container(OmegaConf.load(ROOT / "dvc.yaml"), resolve=False)["stages"][stage]["deps"]
-    code = "import sys\n" + "".join(f"import {m}\n" for m in LOADS[stage]) + (
+    code = f"import sys\nsys.path.insert(0, {str(ROOT)!r})\n" + "".join(f"import {m}\n" for m in LOADS[stage]) + (
         "print('\\n'.join(m.__file__ for n, m in list(sys.modules.items())"
         " if n.split('.')[0] in ('pipeline', 'hydra_plugins', 'benchmarks') and getattr(m, '__file__', None)))")
-    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    (tmp_path / "loads_probe.py").write_text(code)
+    proc = forkserver.run(["-m", "loads_probe"], cwd=tmp_path, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     loaded = {Path(f).resolve().relative_to(ROOT).as_posix() for f in proc.stdout.split()}
     missing = [f for f in sorted(loaded) if not any(f == d or f.startswith(d.rstrip("/") + "/") for d in deps)]

@@ -96,3 +96,25 @@ def test_a_child_whose_start_up_settings_differ_runs_in_a_fresh_interpreter(tmp_
     assert forked.stdout.split()[1] == "False"  # not the server's child
     fresh = subprocess.run([sys.executable, "-m", "hashes"], cwd=tmp_path, env=env, capture_output=True, text=True)
     assert forked.stdout == fresh.stdout and forked.returncode == fresh.returncode == 0
+
+
+@pytest.mark.slow
+def test_a_python_on_path_relays_python_m_to_the_server_and_runs_anything_else(tmp_path, monkeypatch):
+    """``forkserver.on_path``: a program's own ``python -m ...`` (a shell's, as DVC runs its stages) is
+    forked by the server, with its streams and exit status (a signal's too) handed back; any other use
+    of ``python`` is the real interpreter; the folder is gone after the block."""
+    monkeypatch.delenv("PIPELINE_TESTS_FORK", raising=False)
+    (tmp_path / "probe_module.py").write_text(PROBE)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONWARNINGS"} | {"PROBE_VALUE": "x2"}
+    script = ("python -m probe_module plain 3; echo status $?; python3 -m probe_module interrupt 0 2>/dev/null; "
+              "echo status $?; python -c 'import sys; print(sys.executable, sys.flags.no_site)'")
+    with forkserver.on_path() as folder:
+        env["PATH"] = f"{folder}{os.pathsep}{os.environ['PATH']}"
+        proc = subprocess.run(script, shell=True, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert int((tmp_path / "parent").read_text()) == forkserver._server.proc.pid  # forked, not started
+    lines = proc.stdout.splitlines()
+    assert lines[:3] == ["argv ['plain', '3'] cwd " + f"{tmp_path.name} path0 {tmp_path.name}",
+                         "env x2 pipeline imported: False", "atexit ran"]
+    assert "status 3" in lines and "status 130" in lines  # an uncaught KeyboardInterrupt: killed by SIGINT
+    assert lines[-1] == f"{sys.executable} 0" and proc.stderr == "to stderr\n"
+    assert not folder.exists()

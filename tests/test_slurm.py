@@ -16,6 +16,7 @@ import sys
 import time
 from pathlib import Path
 
+import forkserver
 import pandas as pd
 import pytest
 from conftest import communicate_or_kill
@@ -51,8 +52,8 @@ def sweep(args, folder: Path, store: str, conf: str | None = None) -> subprocess
     env = dict(os.environ, PYTHONWARNINGS="ignore")
     if conf:
         env["SLURM_CONF"] = conf
-    cmd = [sys.executable, "-m", "pipeline", *args, f"hydra.sweep.dir={folder}", f"mlflow.tracking_uri={store}", "-m"]
-    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env, timeout=900)
+    args = ["-m", "pipeline", *args, f"hydra.sweep.dir={folder}", f"mlflow.tracking_uri={store}", "-m"]
+    return forkserver.run(args, cwd=ROOT, env=env, timeout=900)  # the submitting process, forked: tests/forkserver.py
 
 
 def statuses(store: str) -> list[str]:

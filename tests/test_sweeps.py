@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 
+import forkserver
 import mlflow
 import pandas as pd
 import pytest
@@ -34,8 +35,11 @@ runpy.run_module("pipeline", run_name="__main__", alter_sys=True)
 
 
 def cli(*args, cwd=ROOT, code=None, timeout=600):
-    head = [sys.executable, "-c", code] if code else [sys.executable, "-m", "pipeline"]
-    return subprocess.run([*head, *args], cwd=cwd, capture_output=True, text=True, env=ENV, timeout=timeout)
+    """`python -m pipeline args` (forked: tests/forkserver.py), or `python -c code args` in a fresh interpreter."""
+    if code is None:
+        return forkserver.run(["-m", "pipeline", *args], cwd=cwd, env=ENV, timeout=timeout)
+    return subprocess.run([sys.executable, "-c", code, *args], cwd=cwd, capture_output=True, text=True, env=ENV,
+                          timeout=timeout)
 
 
 def all_runs(store):
