@@ -84,13 +84,16 @@ def test_a_sweep_through_slurm_equals_the_default_launchers(cluster, tmp_path, a
 CELL = ["experiment=dpformer_ci", "dataset.n_users=80", "dataset.L=10", "seqrec.batch_size=40"]
 
 
-def launch(args, folder: Path, store: str, conf: str) -> subprocess.Popen:
+def launch(args, folder: Path, store: str, conf: str, log: Path | None = None) -> subprocess.Popen:
+    """The sweep, started in its own session; its stdout and stderr piped, or both written to ``log``
+    (to be read while it runs)."""
     runs(store)  # create the store's tables before the sweep does: two processes creating them at once break it
     env = dict(os.environ, PYTHONWARNINGS="ignore", SLURM_CONF=conf)
     cmd = [sys.executable, "-m", "pipeline", *SLURM, *args, f"hydra.sweep.dir={folder}",
            f"mlflow.tracking_uri={store}", "-m"]
-    return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
+    streams = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE} if log is None else \
+        {"stdout": log.open("w"), "stderr": subprocess.STDOUT}
+    return subprocess.Popen(cmd, cwd=ROOT, env=env, text=True, start_new_session=True, **streams)
 
 
 def wait_for(what: str, check, timeout: float = 180.0) -> None:
@@ -135,10 +138,13 @@ def assert_queue_drains(conf: str, job: str | None = None, timeout: float = 120.
     assert not left(), f"jobs left in the queue after {timeout:.0f} s: {queue(conf, '%i %T %M')}"
 
 
-def assert_cell_0_failed_alone(proc: subprocess.Popen, folder: Path, store: str, conf: str) -> None:
+def assert_cell_0_failed_alone(proc: subprocess.Popen, folder: Path, store: str, conf: str,
+                               log: Path | None = None) -> None:
     """Await the sweep (killed if it hangs) and check that cell 0 (seqrec.epochs=100000) is reported
     failed while cell 1 (1 epoch) was summarised, with no run left RUNNING and the queue empty."""
     out, err = communicate_or_kill(proc, 400)
+    if log is not None:
+        err = log.read_text()
     assert proc.returncode == 1, err[-3000:]
     assert "1 of 2 cells failed" in err and "seqrec.epochs=100000" in err, err[-3000:]
     results = pd.read_csv(folder / "results.csv")
@@ -150,21 +156,26 @@ def assert_cell_0_failed_alone(proc: subprocess.Popen, folder: Path, store: str,
 
 @pytest.mark.slow
 def test_a_cancelled_cell_fails_alone_and_the_others_are_awaited(cluster, tmp_path):
-    """Cell 0 runs without end and is cancelled with scancel while it runs; cell 1 starts a minute
-    later (its job's setup sleeps), so it is still to come when submitit learns of the cancel. The
-    sweep must await it: one cell failed, the other summarised, nothing RUNNING. (Before the fix
-    the sweep ended at the cancel and reported both cells failed.)"""
+    """Cell 0 runs without end and is cancelled with scancel while it runs; cell 1's job waits in its
+    setup until the sweep has said that cell 0 ended without its result (the test then lets it go),
+    so it is still to come when submitit learns of the cancel. The sweep must await it: one cell
+    failed, the other summarised, nothing RUNNING. (Before the fix the sweep ended at the cancel and
+    reported both cells failed. Cell 1 used to sleep a minute instead: longer, and not a proof.)"""
     store = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    folder = tmp_path / "sweep"
-    proc = launch([*CELL, "seqrec.epochs=100000,1", "hydra.launcher.setup=['sleep $((SLURM_ARRAY_TASK_ID * 60))']"],
-                  folder, store, cluster)
+    folder, log, go = tmp_path / "sweep", tmp_path / "sweep.log", tmp_path / "go"
+    setup = f"while [ $SLURM_ARRAY_TASK_ID = 1 ] && [ ! -e {go} ]; do sleep 1; done"
+    proc = launch([*CELL, "seqrec.epochs=100000,1", f"hydra.launcher.setup=['{setup}']"], folder, store, cluster, log)
     try:
         wait_for("cell 0's run RUNNING", lambda: any(r.info.status == "RUNNING" for r in runs(store)))
         subprocess.run(["scancel", array_task(folder, 0)], env=dict(os.environ, SLURM_CONF=cluster), check=True)
+        wait_for("the sweep's word that cell 0 ended without its result",
+                 lambda: f"job {array_task(folder, 0)} (CANCELLED" in log.read_text())
+        assert not (folder / "1" / "results.csv").exists()  # cell 1 is still to come
+        go.touch()
     except BaseException:
         os.killpg(proc.pid, signal.SIGKILL)
         raise
-    assert_cell_0_failed_alone(proc, folder, store, cluster)
+    assert_cell_0_failed_alone(proc, folder, store, cluster, log)
 
 
 @pytest.mark.slow
