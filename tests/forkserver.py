@@ -316,7 +316,7 @@ def run(args: list[str], *, cwd, env: dict | None = None, timeout: float = 600) 
 _SHIM = """#!{python} -SE
 # `python -m <module> ...` relayed to a test worker's fork server (tests/forkserver.py, on_path);
 # any other use of `python` runs the real interpreter.
-import json, os, socket, sys
+import json, os, signal, socket, sys
 args = sys.argv[1:]
 if len(args) < 2 or args[0] != "-m":
     os.execv({python!r}, [{python!r}, *args])
@@ -328,7 +328,8 @@ sys.stdout.write(answer["stdout"])
 sys.stderr.write(answer["stderr"])
 sys.stdout.flush()
 sys.stderr.flush()
-if answer["returncode"] < 0:  # ended by a signal: so does this process
+if answer["returncode"] < 0:  # ended by a signal: so does this process (even where it was ignored)
+    signal.signal(-answer["returncode"], signal.SIG_DFL)
     os.kill(os.getpid(), -answer["returncode"])
 sys.exit(answer["returncode"] if answer["returncode"] >= 0 else 1)
 """
