@@ -3,10 +3,9 @@ values, and the figure drawn from saved rows (no timing)."""
 
 import json
 import math
-import subprocess
-import sys
 from pathlib import Path
 
+import forkserver
 import matplotlib.image as mpimg
 import pytest
 
@@ -66,9 +65,8 @@ def test_figure_without_a_non_private_step_is_refused(tmp_path):
     assert not (tmp_path / "fig.png").exists()
 
 
-def run(*args):
-    return subprocess.run([sys.executable, "-m", "benchmarks.seqrec_step", *args], cwd=ROOT, capture_output=True,
-                          text=True)
+def run(*args):  # the benchmark's command line, forked (tests/forkserver.py): it draws and refuses, times nothing
+    return forkserver.run(["-m", "benchmarks.seqrec_step", *args], cwd=ROOT)
 
 
 @pytest.mark.slow
