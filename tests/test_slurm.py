@@ -62,7 +62,7 @@ def statuses(store: str) -> list[str]:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("args", [
-    ["regime=highdim", "privacy.eps=0.1", "trials=20", "dataset.n_test=50"],
+    ["regime=highdim", "regime.N=500,1000", "privacy.eps=0.1", "trials=20", "dataset.n_test=50"],  # 2 of its 6 N
     ["experiment=dpformer_ci", "dataset.n_users=80", "dataset.L=10", "seqrec.batch_size=40", "seqrec.epochs=1",
      "seed=0,1"],
 ], ids=["noisyhead", "seqrec"])

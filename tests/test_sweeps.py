@@ -7,7 +7,9 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
+from pathlib import Path
 
 import forkserver
 import mlflow
@@ -35,11 +37,13 @@ runpy.run_module("pipeline", run_name="__main__", alter_sys=True)
 
 
 def cli(*args, cwd=ROOT, code=None, timeout=600):
-    """`python -m pipeline args` (forked: tests/forkserver.py), or `python -c code args` in a fresh interpreter."""
+    """`python -m pipeline args`, or `code` (a module's text) run as `python -m` with args, forked
+    (tests/forkserver.py)."""
     if code is None:
         return forkserver.run(["-m", "pipeline", *args], cwd=cwd, env=ENV, timeout=timeout)
-    return subprocess.run([sys.executable, "-c", code, *args], cwd=cwd, capture_output=True, text=True, env=ENV,
-                          timeout=timeout)
+    with tempfile.TemporaryDirectory(prefix="cli-") as folder:  # the module's folder: its working folder
+        Path(folder, "injected.py").write_text(code)
+        return forkserver.run(["-m", "injected", *args], cwd=folder, env=ENV, timeout=timeout)
 
 
 def all_runs(store):
