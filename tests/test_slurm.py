@@ -91,9 +91,12 @@ def launch(args, folder: Path, store: str, conf: str, log: Path | None = None) -
     env = dict(os.environ, PYTHONWARNINGS="ignore", SLURM_CONF=conf)
     cmd = [sys.executable, "-m", "pipeline", *SLURM, *args, f"hydra.sweep.dir={folder}",
            f"mlflow.tracking_uri={store}", "-m"]
-    streams = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE} if log is None else \
-        {"stdout": log.open("w"), "stderr": subprocess.STDOUT}
-    return subprocess.Popen(cmd, cwd=ROOT, env=env, text=True, start_new_session=True, **streams)
+    if log is None:
+        return subprocess.Popen(cmd, cwd=ROOT, env=env, text=True, start_new_session=True, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE)
+    with log.open("w") as out:  # the sweep holds its own copy
+        return subprocess.Popen(cmd, cwd=ROOT, env=env, text=True, start_new_session=True, stdout=out,
+                                stderr=subprocess.STDOUT)
 
 
 def wait_for(what: str, check, timeout: float = 180.0) -> None:
