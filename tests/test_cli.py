@@ -134,7 +134,6 @@ def test_a_terminated_run_is_marked_killed(run_cli):
     """SIGTERM in the middle of a cell ends its MLflow run as KILLED, not RUNNING."""
     import os
     import signal
-    import sys
 
     cmd = [sys.executable, "-m", "pipeline", f"mlflow.tracking_uri={run_cli.store}",
            f"hydra.run.dir={run_cli.tmp / 'run'}", *LONG["noisyhead"]]
@@ -190,7 +189,6 @@ LONG = {"noisyhead": ["regime=overparam", "trials=400"],
 def test_ctrl_c_ends_a_single_run_killed_with_130_and_one_line(run_cli, task):
     import os
     import signal
-    import sys
 
     cmd = [sys.executable, "-m", "pipeline", *LONG[task], f"mlflow.tracking_uri={run_cli.store}",
            f"hydra.run.dir={run_cli.tmp / 'run'}"]
@@ -212,7 +210,6 @@ def test_ctrl_c_before_any_run_is_one_line_and_130(tmp_path):
     import os
     import signal
     import subprocess
-    import sys
     import time
 
     from conftest import ROOT
@@ -246,7 +243,6 @@ def test_a_run_killed_outright_is_ended_failed_by_the_next_launch(run_cli, task)
     host finds its owner gone and ends it FAILED, with the reason as a tag."""
     import os
     import signal
-    import sys
 
     cmd = [sys.executable, "-m", "pipeline", *LONG[task], f"mlflow.tracking_uri={run_cli.store}",
            f"hydra.run.dir={run_cli.tmp / 'killed'}"]

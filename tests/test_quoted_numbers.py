@@ -162,8 +162,8 @@ def pct(v: float) -> str:
 LM = "docs/lm.md"
 README_LM = [  # README's tying gains and intervals (results at a glance), from artifacts/lm_tying/metrics.json
     *[(f"| {e} | {{}} | ", f"tying_gain.eps_{e}") for e in ("1", "3", "8")],
-    *[(f"[{{}}, ", f"tying_gain.eps_{e}.ci_low") for e in ("1", "3", "8", "inf")],
-    *[(f", {{}}] | ", f"tying_gain.eps_{e}.ci_high") for e in ("1", "3", "8", "inf")],
+    *[("[{}, ", f"tying_gain.eps_{e}.ci_low") for e in ("1", "3", "8", "inf")],
+    *[(", {}] | ", f"tying_gain.eps_{e}.ci_high") for e in ("1", "3", "8", "inf")],
     ("| inf (clipped, no noise) | {} | ", "tying_gain.eps_inf"),
 ]
 
