@@ -9,7 +9,10 @@ which must answer before any folder or run is made; and one small cell (``trials
 ridge, GD and NoisyHead on Figure 1's first cell, its table, figure and MLflow run), each time into a
 new store (a user's first run pays for creating it; the cell run again into the same store shows what
 later runs pay). Printed: wall seconds of each (median, min, max), and for the cell where its time
-went, read off one ``-X importtime`` run (torch, MLflow, the privacy accountant, plotting).
+went, read off one ``-X importtime`` run (torch, MLflow, the privacy accountant, plotting), and the
+cell's floor: one fresh process doing only what the cell cannot skip (``FLOOR``: torch, one Hydra
+composition, the spent eps, an MLflow run in an existing store, a saved figure), each step timed, with
+Python's default garbage collector and with it off and the heap frozen at exit.
 The targets (issue 36): the three refusals and ``--help`` at most 1 s, the cell at most 5 s, on an
 idle two-core machine.
 
@@ -24,6 +27,7 @@ its own process; joblib's workers each fill a cache of their own).
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import subprocess
 import sys
@@ -75,6 +79,79 @@ def import_shares(scratch: Path) -> dict[str, float]:
         if name in wanted and name not in found:
             found[name] = int(cumulative) / 1e6
     return found
+
+
+# What one cell cannot do without, each step in one fresh process, in this order (later steps reuse what
+# earlier ones imported, as the cell does): torch (its algebra), Hydra's composition of the cell's config,
+# the spent eps (dp-accounting's inversion, which imports SciPy), an MLflow run in an existing SQL store
+# with one artifact, and a two-panel figure saved as the cells' figures are (Agg, 130 dpi). None of the
+# project's own code runs but the accountant's call. Twice: with Python's default garbage collector, and
+# with the collector off (``frozen``: the imports make long-lived objects only, and each automatic
+# collection traverses all of them) and the heap frozen at exit (the interpreter's final collections skip
+# it). The second is a floor for any implementation on these libraries, whatever it defers or caches.
+FLOOR = """
+import atexit, gc, json, sys, time
+if sys.argv[5] == "frozen":
+    gc.disable()
+    atexit.register(gc.freeze)  # registered first: runs last
+t = [time.perf_counter()]
+steps = {}
+def mark(name):
+    t.append(time.perf_counter()); steps[name] = t[-1] - t[-2]
+import torch
+torch.ones(3, 3, dtype=torch.float64) @ torch.ones(3, 3, dtype=torch.float64)
+mark("torch")
+from hydra import compose, initialize_config_dir
+with initialize_config_dir(sys.argv[1], version_base="1.3"):
+    compose("config", overrides=["trials=100"])
+mark("hydra compose")
+from pipeline.privacy import spent_epsilon
+spent_epsilon(multiplier=2.0, T=100, delta=1e-5)
+mark("spent eps")
+import mlflow
+mlflow.set_tracking_uri(sys.argv[2])
+mlflow.set_experiment("floor")
+with mlflow.start_run():
+    mlflow.log_param("trials", 100)
+    mlflow.log_metric("excess_risk", 0.5)
+    mlflow.log_artifact(sys.argv[3])
+mark("MLflow run")
+import matplotlib
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt
+fig, axes = plt.subplots(1, 2, figsize=(10.0, 4.0))
+for ax in axes:
+    for k in range(3):
+        ax.errorbar([1e3, 2e3, 4e3], [k + 1.0, k + 0.5, k + 0.2], yerr=0.1, marker="o", label=str(k))
+    ax.set_xscale("log"); ax.set_yscale("log"); ax.legend()
+fig.tight_layout()
+fig.savefig(sys.argv[4], dpi=130)
+mark("figure")
+print(json.dumps(steps))
+"""
+COLLECTORS = ("default", "frozen")
+
+
+def floor(scratch: Path, repeats: int, collector: str = "frozen", warm: bool = True
+          ) -> tuple[dict[str, float], list[float]]:
+    """The median seconds of each FLOOR step and the wall seconds of each whole process (``collector``:
+    one of COLLECTORS), into the store ``scratch/floor.db`` (made by a first, uncounted process when
+    ``warm``: the cell's floor opens an existing store) and the figure ``scratch/floor.png``."""
+    store = f"sqlite:///{scratch}/floor.db"
+    artifact = scratch / "floor.txt"
+    artifact.write_text("results\n")
+    args = ["-c", FLOOR, str(ROOT / "conf"), store, str(artifact), str(scratch / "floor.png"), collector]
+    if warm:
+        subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, check=True)  # the store, the caches
+    steps, walls = [], []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        proc = subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True)
+        walls.append(time.perf_counter() - start)
+        if proc.returncode != 0:
+            raise RuntimeError(f"the floor's process failed (exit {proc.returncode}): {proc.stderr[-2000:]}")
+        steps.append(json.loads(proc.stdout.splitlines()[-1]))
+    return {k: statistics.median(s[k] for s in steps) for k in steps[0]}, walls
 
 
 CALIBRATED = {  # name -> overrides of a DPFormer cell whose plan is calibrated; n_users from its dataset
@@ -131,6 +208,10 @@ def main(argv: list[str] | None = None) -> None:
         shares = import_shares(scratch)
         print("the cell's imports (s, cumulative at first import): "
               + ", ".join(f"{k} {v:.2f}" for k, v in sorted(shares.items(), key=lambda kv: -kv[1])))
+        for collector in COLLECTORS:
+            steps, walls = floor(scratch, args.repeats, collector)
+            print(f"{'floor, collector ' + collector:34} {statistics.median(walls):7.2f} {min(walls):7.2f} "
+                  f"{max(walls):7.2f}  (" + ", ".join(f"{k} {v:.2f}" for k, v in steps.items()) + ")", flush=True)
     print(f"\n{'DP-SGD calibration of a cell':34} {'first':>9} {'repeated':>9}  (s, median of {args.repeats})")
     for name, (first, again) in calibration(args.repeats).items():
         print(f"{name:34} {first:9.3f} {again:9.6f}", flush=True)
