@@ -12,7 +12,8 @@ later runs pay). Printed: wall seconds of each (median, min, max), and for the c
 went, read off one ``-X importtime`` run (torch, MLflow, the privacy accountant, plotting), and the
 cell's floor: one fresh process doing only what the cell cannot skip (``FLOOR``: torch, one Hydra
 composition, the spent eps, an MLflow run in an existing store, a saved figure), each step timed, with
-Python's default garbage collector and with it off and the heap frozen at exit.
+Python's default garbage collector and with it off and the heap frozen at exit (what
+``pipeline/collector.py`` does for a single run).
 The targets (issue 36): the three refusals and ``--help`` at most 1 s, the cell at most 5 s, on an
 idle two-core machine.
 

@@ -7,6 +7,11 @@ import sys
 if __name__ == "__main__" and signal.getsignal(signal.SIGINT) is signal.default_int_handler:
     signal.signal(signal.SIGINT, signal.SIG_DFL)  # Ctrl-C while the modules load: the process ends, no traceback
 
+if __name__ == "__main__":  # before the imports: pipeline/collector.py
+    from pipeline import collector
+
+    collector.start(sys.argv[1:])  # a single run: the collector off until its cell's run begins
+
 import hydra
 from omegaconf import DictConfig
 

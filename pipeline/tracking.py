@@ -35,6 +35,7 @@ import mlflow
 from mlflow.entities import Metric, RunStatus
 from omegaconf import DictConfig, OmegaConf
 
+from pipeline import collector
 from pipeline.validation import ConfigError, RunFailed
 
 log = logging.getLogger(__name__)
@@ -287,7 +288,9 @@ def view_address(cfg: DictConfig, experiment: str, key: str) -> str:
 def run(name: str, tags: Mapping[str, str]) -> Iterator[mlflow.ActiveRun]:
     """An MLflow run that ends FINISHED, FAILED on an exception, or KILLED on Ctrl-C or SIGTERM
     (SIGTERM raises ``Terminated`` from before the run is created until it ends, and then exits
-    with status 143, as terminated: Ctrl-C stays a KeyboardInterrupt, 130)."""
+    with status 143, as terminated: Ctrl-C stays a KeyboardInterrupt, 130). The start-up ends here:
+    the garbage collector, off while a single run loaded its modules, is back on (pipeline.collector)."""
+    collector.release()
     with sigterm_raises():
         try:
             with shielded():
