@@ -105,14 +105,17 @@ def test_dpformer_memory_estimate_bounds_a_measured_step(cfg_for, B, L, M, domin
     from pipeline.seqrec import memory as seqrec_memory
 
     measured = _measured_step_gib(B, L, M, runs=2) * 2**30
+    faulted = _measured_step_gib(1, L, 200, runs=2) * 2**30  # a step of one short row: what a first step faults in
     cfg = cfg_for("experiment=dpformer_ci", f"seqrec.batch_size={B}", f"dataset.L={L}", "model.d=64", "model.d_ff=256",
                   "dataset.n_users=100000", f"dataset.n_items={M}", "seqrec.eval_batch=1")
     need = seqrec_memory.estimate(cfg, "cpu")
     assert need.parts[dominant] > 0.6 * need.total  # what dominates at this size
     # RSS growth is no exact tensor count: the same step (B = 64, L = 20, M = 20,000, tensors 0.56 GiB
-    # by the estimate) grew by 0.33 GiB here and by 0.61 GiB in a CI run (freed blocks kept by the
-    # allocator, pages faulted in): the estimate must be at least 1 / 1.25 of it, and at most twice it
-    assert measured <= 1.25 * need.total and need.total <= 2 * measured, (measured / 2**30, need.parts)
+    # by the estimate) grew by 0.33 GiB here and by 0.61 and 0.71 GiB in CI runs (freed blocks kept by
+    # the allocator, library pages faulted in by a first step whatever its size): less what a step of one
+    # short row grows by, the estimate must be at least 1 / 1.25 of it, and at most twice the whole growth
+    assert measured - faulted <= 1.25 * need.total and need.total <= 2 * measured, (
+        measured / 2**30, faulted / 2**30, need.parts)
 
 
 @pytest.mark.slow
