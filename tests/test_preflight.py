@@ -105,7 +105,7 @@ def _step_tensor_peak(B: int, L: int, M: int) -> int:
 def test_dpformer_memory_estimate_bounds_a_measured_step(cfg_for, B, L, M, dominant):
     """The estimate (pipeline/seqrec/memory.py) against the tensors of a Phantom step: above them
     (within 1.25x), and within 2x, where the scores dominate (a large M) and where the activations do
-    (a small M, at a large batch: the estimate without activations was 4x short there)."""
+    (a small M, at a large batch: the estimate without activations, 0.24 GiB, was 3.3x short there)."""
     from pipeline.seqrec import memory as seqrec_memory
 
     measured = _step_tensor_peak(B, L, M)
