@@ -22,10 +22,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import warnings
 import os
+import statistics
 import subprocess
 import sys
+import time
+import warnings
 from pathlib import Path
 
 from benchmarks.measure import measure
@@ -93,10 +95,17 @@ def cell(engine: str, V: int, B: int, d: int, layers: int, T: int, repeats: int,
             model.zero_grad(set_to_none=True)
             per_example(model, ids).sum().backward()
     elif engine.startswith("phantom"):
-        from pipeline.clipping import PhantomClipping
+        from pipeline.clipping import PhantomClipping, guard
 
-        clip = PhantomClipping(model, C=1.0, sum_by="backward" if engine == "phantom-backward" else "bookkeeping",
-                               check="never")
+        clip = PhantomClipping(model, C=1.0, sum_by="backward" if engine == "phantom-backward" else "bookkeeping")
+        proven = guard.prove
+
+        def timed(*args):  # the guard's own time in each step (the engine calls guard.prove)
+            start = time.perf_counter()
+            proven(*args)
+            proofs.append(time.perf_counter() - start)
+
+        guard.prove = timed
 
         def step():
             clip.step(per_example, ids)
@@ -134,9 +143,14 @@ def cell(engine: str, V: int, B: int, d: int, layers: int, T: int, repeats: int,
                 finally:
                     wrapped.enable_hooks()
 
+    proofs: list[float] = []
     seconds, peak = measure(step, dev, repeats)
-    return {"engine": engine, "V": V, "B": B, "d": d, "layers": layers, "T": T, "seconds": seconds,
-            "peak_gib": peak, "device": device, "threads": torch.get_num_threads()}
+    row = {"engine": engine, "V": V, "B": B, "d": d, "layers": layers, "T": T, "seconds": seconds,
+           "peak_gib": peak, "device": device, "threads": torch.get_num_threads()}
+    if proofs:  # the median guard over the measured steps (the first, a warm-up, left out), as a share of a step
+        row.update(guard_seconds=statistics.median(proofs[1:] or proofs))
+        row.update(guard_share=row["guard_seconds"] / seconds)
+    return row
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
@@ -157,7 +171,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         print(json.dumps(cell(args.cell[0], V, B, args.d, args.layers, args.T, args.repeats, args.device)))
         return []
     rows = []
-    print(f"{'V':>7} {'B':>3} {'engine':<17} {'s/step':>8} {'x time':>7} {'peak GiB':>9} {'x memory':>9}")
+    print(f"{'V':>7} {'B':>3} {'engine':<17} {'s/step':>8} {'x time':>7} {'peak GiB':>9} {'x memory':>9} {'guard':>7}")
     for V in args.V:
         for B in args.B:
             base = None
@@ -178,8 +192,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 row.update(time_ratio=ratio_t, memory_ratio=ratio_m)
                 rows.append(row)
                 shown = [f"{r:>6.2f}x" if r is not None else f"{'-':>7}" for r in (ratio_t, ratio_m)]
+                guard = f"{row['guard_share']:>6.1%}" if "guard_share" in row else f"{'-':>6}"
                 print(f"{V:>7} {B:>3} {engine:<17} {row['seconds']:>8.3f} {shown[0]} {row['peak_gib']:>9.3f} "
-                      f"{shown[1]:>9}", flush=True)
+                      f"{shown[1]:>9} {guard:>7}", flush=True)
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1))
     return rows

@@ -177,7 +177,7 @@ def worker(engine: str, model_name: str, B: int, L: int, M: int, repeats: int, t
     model = train.build(mcfg, M, L).to(dev)
     name, _, sum_by = engine.partition("/")  # phantom/backward: the clipped sum by a second backward pass
     ccfg = OmegaConf.create(dict(name=name, rule="automatic", C=1.0, gamma=0.01, norm_form="auto",
-                                 sum_by=sum_by or "bookkeeping", check="never"))  # the self-check: a first step only
+                                 sum_by=sum_by or "bookkeeping"))
     eng = clipping.make(name, model, ccfg)
     opt = torch.optim.Adam(model.parameters(), lr=1e-3, weight_decay=1e-5)
     gen = torch.Generator().manual_seed(0)

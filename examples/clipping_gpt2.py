@@ -23,9 +23,9 @@ from pipeline.clipping import PhantomClipping  # noqa: E402
 
 
 def loss_fn(model, ids: torch.Tensor) -> torch.Tensor:
-    """Each example's next-token loss, (n,). Positions are given per example: (n, T), not (1, T)."""
-    n, T = ids.shape
-    logits = model(input_ids=ids, position_ids=torch.arange(T).expand(n, T)).logits[:, :-1]
+    """Each example's next-token loss, (n,), from the model's own forward as shipped (its default
+    (1, T) position ids are expanded over the batch by the engine)."""
+    logits = model(input_ids=ids).logits[:, :-1]
     return F.cross_entropy(logits.transpose(1, 2), ids[:, 1:], reduction="none").sum(1)
 
 

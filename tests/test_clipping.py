@@ -34,7 +34,7 @@ def brute_force(model, loss_fn, batch):
 
 
 def norms_of(grads) -> torch.Tensor:
-    return torch.stack([g.flatten(1).pow(2).sum(1) for g in grads.values()]).sum(0).sqrt()
+    return torch.stack([g.reshape(g.shape[0], -1).pow(2).sum(1) for g in grads.values()]).sum(0).sqrt()
 
 
 class TiedLM(nn.Module):
@@ -110,9 +110,67 @@ def test_the_clipped_sum_is_the_brute_force_sum_of_clipped_gradients(sum_by, rul
     assert (clipped <= C * (1 + 1e-9)).all()
 
 
-def test_a_parameter_used_outside_its_layers_is_refused_by_the_self_check():
-    """F.linear(h, emb.weight): the tied output layer without a module. The engine sees only the
-    embedding's use; the first step's self-check finds the gradient it cannot explain."""
+class Hidden(TiedLM):
+    """TiedLM whose forward, from step ``at`` on, also uses a weight outside its layers' calls, in one
+    of the ways that slipped past the sampled self-check (``how``)."""
+
+    def __init__(self, how, at=0):
+        super().__init__(reuse=False)
+        self.how, self.at, self.calls = how, at, 0
+
+    def forward(self, ids):
+        h = torch.tanh(self.mid(self.norm(self.emb(ids))))
+        out = self.out(h)
+        self.calls += 1
+        if self.calls <= self.at:
+            return out
+        E = self.emb.weight
+        if self.how == "late examples":  # F.linear on the examples past the third only
+            return torch.cat([out[:3], out[3:] + F.linear(h[3:], E)])
+        if self.how == "tiny penalty":  # a use whose weight in the loss is far below any tolerance
+            return out + 1e-6 * E.pow(2).sum()
+        if self.how == "F.embedding":
+            return out + F.embedding(ids, E).sum(-1, keepdim=True)
+        if self.how == "@ W.T":
+            return out + h @ self.mid.weight.T @ E.T
+        if self.how == "in-place":  # the layer's own output changed in place with a row of the table
+            h2 = self.norm(self.emb(ids))
+            h2.add_(E[1])
+            return self.out(torch.tanh(self.mid(h2)))
+        if self.how == "torch.func":
+            return out + torch.func.vmap(lambda row: row @ E.T)(h)
+        raise AssertionError(self.how)
+
+
+HIDDEN = ["late examples", "tiny penalty", "F.embedding", "@ W.T", "in-place", "torch.func"]
+
+
+@pytest.mark.parametrize("how", HIDDEN)
+@pytest.mark.parametrize("sum_by", ["bookkeeping", "backward"])
+def test_a_hidden_use_is_refused_on_the_step_it_first_appears(how, sum_by):
+    """The guard proves every step from its autograd graph: a use of a weight outside its layers'
+    calls, however small its weight in the loss and on whichever examples, is refused on the step it
+    appears (step 3 here, after two clean steps), naming the parameter, before any gradient is written;
+    per_example_norms, which forms no gradient, is guarded too."""
+    torch.manual_seed(0)
+    model = Hidden(how, at=2)
+    engine = PhantomClipping(model, C=1.0, sum_by=sum_by)
+    batch = lm_batch()
+    for _ in range(2):
+        engine.step(lm_loss, batch)
+    for p in model.parameters():
+        p.grad = None
+    with pytest.raises(Unsupported, match=r"parameter (emb\.weight|mid\.weight) is used by `\w+.*` outside the calls "
+                                          r"of the layers that hold it \(the layers holding it: "):
+        engine.step(lm_loss, batch)
+    assert all(p.grad is None for p in model.parameters())
+    with pytest.raises(Unsupported, match=r"outside the calls of the layers that hold it"):
+        engine.per_example_norms(lm_loss, batch)
+
+
+def test_the_guards_refusal_names_the_operation_and_the_layers():
+    """F.linear(h, emb.weight) with no tied Linear at all: the error names the parameter, the
+    operation (``mm``, seen through the transpose) and the one layer holding the weight."""
 
     class Functional(TiedLM):
         def forward(self, ids):
@@ -120,9 +178,30 @@ def test_a_parameter_used_outside_its_layers_is_refused_by_the_self_check():
 
     model = Functional()
     del model.out  # the tied Linear gone: the weight is used functionally only
-    engine = PhantomClipping(model, C=1.0)
-    with pytest.raises(Unsupported, match=r"parameter emb.weight: its per-example gradient norm is not what the engine"):
-        engine.step(lm_loss, lm_batch())
+    with pytest.raises(Unsupported, match=r"parameter emb\.weight is used by `mm \(through t\)` outside the calls of "
+                                          r"the layers that hold it \(the layers holding it: emb\)"):
+        PhantomClipping(model, C=1.0).step(lm_loss, lm_batch())
+
+
+def test_a_layer_whose_call_reaches_a_parameter_it_does_not_hold_is_refused():
+    """A registered layer whose forward uses a tensor made from another layer's weight (not one of its
+    inputs): its function cannot account for that; the guard names the call and the parameter."""
+
+    class Sneaky(nn.Linear):
+        def forward(self, x):
+            return F.linear(x, self.weight + self.other.weight, self.bias)
+
+    from pipeline.clipping import layers
+
+    layers.register(Sneaky)(layers.linear)
+    try:
+        model = nn.Sequential(nn.Linear(3, 3), Sneaky(3, 3))
+        object.__setattr__(model[1], "other", model[0])  # not a child: a reference
+        with pytest.raises(Unsupported, match=r"parameter 0\.weight is reached from inside a call of 1, which does not "
+                                              r"hold it"):
+            PhantomClipping(model, C=1.0).step(lambda m, b: m(b).sum(-1), torch.randn(4, 3))
+    finally:
+        del layers.LAYERS[Sneaky]
 
 
 def test_unknown_and_batch_mixing_layers_and_loose_parameters_are_refused():
@@ -135,10 +214,10 @@ def test_unknown_and_batch_mixing_layers_and_loose_parameters_are_refused():
         def __init__(self):
             super().__init__()
             self.lin = nn.Linear(3, 3)
-            self.scale = nn.Parameter(torch.ones(3))
+            self.scale = nn.Parameter(torch.ones(3, 3))
 
     with pytest.raises(Unsupported, match=r"layer \(the model\) \(.*Loose\) has no registered function, and holds "
-                                          r"the trainable \['scale'\]"):
+                                          r"the trainable \['scale'\], not all of them vectors"):
         PhantomClipping(Loose(), C=1.0)
     frozen = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4))
     frozen[1].requires_grad_(False)
@@ -165,12 +244,13 @@ def test_hugging_face_gpt2_with_tied_embeddings_matches_the_brute_force():
     ids[2] = 5
     _, grads = brute_force(model, loss_fn, ids)
     engine = PhantomClipping(model, C=1.0)
-    with pytest.raises(Unsupported, match=r"a call of transformer.wpe has batch size 1, the losses 4"):
-        engine.per_example_norms(lambda m, b: loss_fn(m, b, per_example_positions=False), ids)
     assert engine.ties() == {"transformer.wte.weight": ["transformer.wte", "lm_head"]}
     _, norms = engine.per_example_norms(loss_fn, ids)
     torch.testing.assert_close(norms, norms_of(grads), rtol=1e-9, atol=1e-12)
-    _, stepped = engine.step(loss_fn, ids)  # the self-check passes: every use of every weight was seen
+    # as shipped: GPT-2's default (1, T) position ids, broadcast over the batch, expanded per example by the engine
+    _, shipped = engine.per_example_norms(lambda m, b: loss_fn(m, b, per_example_positions=False), ids)
+    torch.testing.assert_close(shipped, norms, rtol=1e-12, atol=0)
+    _, stepped = engine.step(loss_fn, ids)  # the guard passes: every use of every weight was seen
     torch.testing.assert_close(stepped, norms)
 
 
@@ -197,10 +277,11 @@ def test_a_llama_shaped_model_with_tied_embeddings_matches_the_brute_force():
     torch.testing.assert_close(norms, norms_of(grads), rtol=1e-9, atol=1e-12)
 
 
-def test_a_wrong_layer_function_is_caught_by_the_self_check():
-    """A registered function that halves the bias's gradient (a bug in a layer function) under-clips:
-    the first step's brute force on three examples names the parameter. (One that leaves the bias out
-    is refused before that, by the structural check.)"""
+def test_a_wrong_layer_function_is_named_as_such_by_the_brute_force():
+    """A registered function that halves the bias's gradient (a bug in a layer function) under-clips;
+    the guard trusts registered functions, check="brute" tests them: its error names the parameter, the
+    layer type and a wrong function as the cause, not an unseen use. (One that leaves the bias out is
+    refused on every step, by the structural check.)"""
     from pipeline.clipping import layers
     from pipeline.clipping.uses import Direct
 
@@ -214,9 +295,11 @@ def test_a_wrong_layer_function_is_caught_by_the_self_check():
     layers.register(Scaled)(halved_bias)
     try:
         model = nn.Sequential(Scaled(3, 2), nn.Tanh(), nn.Linear(2, 1))
-        engine = PhantomClipping(model, C=1.0)
-        with pytest.raises(Unsupported, match=r"parameter 0.bias: its per-example gradient norm"):
-            engine.step(lambda m, x: m(x).squeeze(-1) ** 2, torch.randn(4, 3))
+        loss_fn = lambda m, x: m(x).squeeze(-1) ** 2  # noqa: E731
+        PhantomClipping(model, C=1.0).step(loss_fn, torch.randn(4, 3))  # the guard alone: no use is unseen
+        with pytest.raises(Unsupported, match=r"parameter 0.bias: the function registered for Scaled gives example 0 a "
+                                              r"squared gradient norm of .* the layer function is wrong for this layer"):
+            PhantomClipping(model, C=1.0, check="brute").step(loss_fn, torch.randn(4, 3))
     finally:
         del layers.LAYERS[Scaled]
 
@@ -258,7 +341,7 @@ def test_the_clipping_benchmark_prints_and_writes_each_engine(tmp_path, capsys):
 
 
 def test_what_would_silently_shrink_a_norm_is_refused():
-    """Found by review: each case gave norms below the truth with the self-check off."""
+    """Found by review: each case gave norms below the truth before it was refused."""
     x = torch.randn(4, 3)
 
     class InPlace(nn.Module):  # the recorded input changed after the call
@@ -273,18 +356,18 @@ def test_what_would_silently_shrink_a_norm_is_refused():
             return out
 
     with pytest.raises(Unsupported, match=r"the input of b was changed in place"):
-        PhantomClipping(InPlace(), C=1.0, check="never").step(lambda m, b: m(b).squeeze(-1), x)
+        PhantomClipping(InPlace(), C=1.0).step(lambda m, b: m(b).squeeze(-1), x)
 
     model = nn.Sequential(nn.Linear(3, 3), nn.Tanh(), nn.Linear(3, 1))
     model[0].requires_grad_(False)
-    engine = PhantomClipping(model, C=1.0, check="never")
+    engine = PhantomClipping(model, C=1.0)
     model[0].requires_grad_(True)  # unfrozen after the engine was made
     with pytest.raises(Unsupported, match=r"trainable parameters changed since the engine was made"):
         engine.step(lambda m, b: m(b).squeeze(-1), x)
 
     normed = nn.Sequential(torch.nn.utils.weight_norm(nn.Linear(3, 1)))  # weight_g, weight_v: no function gives them
     with pytest.raises(Unsupported, match=r"gives no per-example gradient for its trainable \['0.weight_(g|v)'"):
-        PhantomClipping(normed, C=1.0, check="never").step(lambda m, b: m(b).squeeze(-1), x)
+        PhantomClipping(normed, C=1.0).step(lambda m, b: m(b).squeeze(-1), x)
 
     with pytest.raises(Unsupported, match=r"scale_grad_by_freq=True"):
         PhantomClipping(nn.Embedding(5, 2, scale_grad_by_freq=True), C=1.0)
@@ -315,14 +398,14 @@ def test_an_output_changed_in_place_after_its_layer_gives_the_brute_force_norms(
     for x in (torch.randn(6, 3), torch.randn(6, 4, 3)):
         loss_fn = lambda m, b: m(b).reshape(b.shape[0], -1).pow(2).sum(1)  # noqa: E731
         _, grads = brute_force(model, loss_fn, x)
-        _, norms = PhantomClipping(model, C=1.0, check="never").per_example_norms(loss_fn, x)
+        _, norms = PhantomClipping(model, C=1.0).per_example_norms(loss_fn, x)
         torch.testing.assert_close(norms, norms_of(grads), rtol=1e-10, atol=1e-12)
 
 
-def test_the_self_check_replays_the_steps_dropout_and_leaves_the_random_streams_as_they_were():
-    """The check's own forward pass draws the step's dropout masks (no false refusal on a model with
+def test_the_brute_force_replays_the_steps_dropout_and_leaves_the_random_streams_as_they_were():
+    """check="brute"'s own forward pass draws the step's dropout masks (no false refusal on a model with
     dropout), a checked step leaves torch's, Python's and NumPy's streams where an unchecked one does,
-    and a refused step leaves no gradient behind."""
+    and a refused step leaves no gradient behind; the sampled self-check's settings are refused by name."""
     import random
 
     import numpy as np
@@ -342,7 +425,7 @@ def test_the_self_check_replays_the_steps_dropout_and_leaves_the_random_streams_
         _, norms = engine.step(loss_fn, x)
         return norms, torch.rand(1), random.random(), np.random.rand()
 
-    checked, unchecked = run("always"), run("never")
+    checked, unchecked = run("brute"), run("guard")
     assert torch.equal(checked[0], unchecked[0]) and torch.equal(checked[1], unchecked[1])
     assert checked[2:] == unchecked[2:]
 
@@ -356,8 +439,11 @@ def test_the_self_check_replays_the_steps_dropout_and_leaves_the_random_streams_
 
     model = Outside()
     with pytest.raises(Unsupported):
-        PhantomClipping(model, C=1.0, check="always").step(lambda m, b: m(b).pow(2), torch.randn(4, 3))
+        PhantomClipping(model, C=1.0, check="brute").step(lambda m, b: m(b).pow(2), torch.randn(4, 3))
     assert all(p.grad is None for p in model.parameters())
+    for gone in ("first", "always", "never"):
+        with pytest.raises(ValueError, match=f"check '{gone}' is gone: the guard now proves every step"):
+            PhantomClipping(model, C=1.0, check=gone)
 
 
 def test_half_precision_factors_are_summed_in_float32():
@@ -368,7 +454,7 @@ def test_half_precision_factors_are_summed_in_float32():
     model = TiedLM(reuse=False).float()
     batch = lm_batch(n=6)
     _, grads = brute_force(model, lambda m, b: lm_loss(m, b).float(), batch)
-    engine = PhantomClipping(model, C=1.0, check="never")
+    engine = PhantomClipping(model, C=1.0)
 
     def autocast_loss(m, b):
         with torch.autocast("cpu", dtype=torch.bfloat16):
@@ -400,7 +486,7 @@ def test_the_projects_next_item_models_match_the_brute_force(cfg_for, model_name
 
     assert (batch[0] == 0).any()  # left padding in the batch
     _, grads = brute_force(model, loss_fn, batch)
-    engine = PhantomClipping(model, C=1.0, check="never")
+    engine = PhantomClipping(model, C=1.0)
     assert engine.ties() == {}  # a TiedEmbedding is one layer called twice: its two calls are two uses
     _, norms = engine.step(loss_fn, batch)
     torch.testing.assert_close(norms, norms_of(grads), rtol=1e-9, atol=1e-12)
@@ -456,7 +542,7 @@ def test_opacus_engines_share_the_interface_and_ghost_refuses_a_tie_by_name():
 def test_the_engine_holds_no_layer_output_through_its_passes(sum_by):
     """Peak memory (benchmarks/clipping.py prints it): the logits (B x T x V) are freed in the
     gradient pass as in a plain step (the engine keeps each output's autograd edge, not the tensor),
-    and no output gradient is alive in the second backward pass or the self-check (they held a
+    and no output gradient is alive in the second backward pass or the brute force (they held a
     language model's largest tensors: 1.3x a plain step's peak at V = 32k)."""
     import gc
     import weakref
@@ -482,15 +568,15 @@ def test_the_engine_holds_no_layer_output_through_its_passes(sum_by):
         ids, targets = b
         return Probe.apply(F.cross_entropy(m(ids).transpose(1, 2), targets, reduction="none").sum(1))
 
-    engine = PhantomClipping(model, C=1.0, sum_by=sum_by, check="always")
-    checked = engine._self_check
+    engine = PhantomClipping(model, C=1.0, sum_by=sum_by, check="brute")
+    checked = engine._brute
     held = []
 
     def spy(*args):
         held.append(sum(isinstance(o, Outer) for o in gc.get_objects()))
         return checked(*args)
 
-    engine._self_check = spy
+    engine._brute = spy
     engine.step(loss_fn, batch)
     assert alive and not any(alive), alive  # every pass: the engine's, the second backward's, the check's
     assert held == [0]  # no use (and no output gradient) outlives the clipped sum
@@ -515,7 +601,7 @@ def test_a_layer_returning_a_transposed_view_is_read_in_its_own_order():
         x = torch.randn(5, 6, 3)
         loss_fn = lambda m, b: (m(b) * torch.arange(24.0).view(4, 6)).reshape(b.shape[0], -1).sum(1)  # noqa: E731
         _, grads = brute_force(model, loss_fn, x)
-        _, norms = PhantomClipping(model, C=1.0, check="never").per_example_norms(loss_fn, x)
+        _, norms = PhantomClipping(model, C=1.0).per_example_norms(loss_fn, x)
         torch.testing.assert_close(norms, norms_of(grads), rtol=1e-10, atol=1e-12)
     finally:
         layers.LAYERS.pop(Swapped, None)

@@ -55,7 +55,7 @@ def clip_cfg(rule="classic", C=0.3, form="auto", sum_by="bookkeeping"):
 
 def phantom_norms(model, form="auto"):
     """Per-user gradient norms from the shared engine (``pipeline/clipping``), as the phantom engine runs it."""
-    engine = PhantomClipping(model, C=1.0, form=form, check="never")
+    engine = PhantomClipping(model, C=1.0, form=form)
     return engine.per_example_norms(clipping.user_losses, (IDS, TARGETS))[1]
 
 
@@ -108,7 +108,7 @@ def test_branchwise_embedding_norm_breaks_the_bound():
     lets a user's clipped gradient exceed C, which the test above would catch."""
     model = build("transformer", True)
     per_user = brute_force(model)
-    engine = PhantomClipping(model, C=1.0, check="never")
+    engine = PhantomClipping(model, C=1.0)
     losses = engine._forward(clipping.user_losses, (IDS, TARGETS))
     uses = engine._uses(losses, keep_graph=False)
     assert max(len(found) for found in uses.values()) == 2  # the item table: lookup and scores
@@ -168,7 +168,7 @@ def test_phantom_finds_a_parameter_held_by_two_layers():
         x, y = batch
         return torch.nn.functional.cross_entropy(m(x).transpose(1, 2), y, reduction="none").sum(1)
 
-    engine = PhantomClipping(model, C=1.0, check="never")
+    engine = PhantomClipping(model, C=1.0)
     assert engine.ties() == {"a.weight": ["a", "b"]}
     _, norms = engine.per_example_norms(losses, (ids, targets))
     want = torch.stack([torch.autograd.grad(losses(model, (ids[i:i + 1], targets[i:i + 1])).sum(),

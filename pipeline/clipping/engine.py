@@ -18,24 +18,32 @@ The clipped sum is formed by book-keeping (``sum_by="bookkeeping"``: from the re
 weighted by c_i; no second pass) or by a second backward pass of sum_i c_i L_i through the same
 graph (``sum_by="backward"``).
 
-What it cannot see it refuses (``Unsupported``), never computing a smaller norm: a trainable
-parameter held by a layer type without a registered function (``register`` one; a bare
-``nn.Parameter`` of a custom module is such a case), a layer called on a batch of one broadcast over
-the examples (its output's gradient is their sum: Hugging Face's default (1, T) position ids), or a
-parameter that is also used outside its layers' calls (``F.linear(x, self.wte.weight)``). The last is caught by the self-check (``check="first"``,
-the default: on the first step; ``"always"``; ``"never"``): each parameter's per-example norms of
-the first three examples must equal those of one backward pass per example (on a forward pass
-of its own, from the step's random states: the same dropout masks, after the step's graph is
-freed). A layer's output gradient is read at the layer's autograd edge (its base's, for an output
-that is a whole view of a product), not at its output tensor: the engine holds no output (a language
-model's logits) through the gradient pass, and an in-place change of an output after its layer
-(``ReLU(inplace=True)``) is exact; of a partial view, refused.
-Batch-mixing layers (BatchNorm) have no per-example gradient and are refused.
+What it cannot see it refuses (``Unsupported``), never computing a smaller norm. On every step, the
+guard (``guard.py``) proves from the step's autograd graph, before any gradient is formed, that every
+path from the losses to a trainable parameter passes through a recorded call of a layer holding it:
+a parameter also used elsewhere (``F.linear(h, self.wte.weight)``, a penalty on it, a use on a few
+examples or steps only) is refused on the step it appears, naming the parameter and the operation.
+At construction: a trainable parameter held by a layer that no function covers (a matrix held by an
+unregistered type; ``register`` one), a batch-mixing layer (BatchNorm). Layers without a registered
+function are still exact where that can be shown (``functional.py``): subclasses of ``nn.Embedding``
+and ``nn.Linear`` are read at their base's functional call, layers holding only vectors by
+``torch.func``. A layer called on a batch of one broadcast over the examples (Hugging Face's default
+(1, T) position ids) has its output expanded over the batch in the forward pass, so that each
+example's output gradient exists; rows flattened from a batch-first tensor ((n T, d), OPT's
+feed-forward) are mapped back to their examples. A parameter held by a layer and by a module around
+it (BERT's prediction head's ``bias``, its decoder's too) is counted once, at the layer. A layer's
+output gradient is read at the layer's autograd edge (its base's, for an output that is a whole view
+of a product), not at its output tensor: the engine holds no output (a language model's logits)
+through the gradient pass, and an in-place change of an output after its layer
+(``ReLU(inplace=True)``) is exact; of a partial view, refused. ``check="brute"`` adds, on every step,
+a comparison of every example's per-parameter norms with one backward pass per example: a test of
+layer functions (a wrong registration is named as such), with a tolerance from the dtype and sizes.
 """
 
 from __future__ import annotations
 
 import random
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import numpy as np
@@ -43,26 +51,17 @@ import torch
 from torch import nn
 from torch.autograd.graph import get_gradient_edge
 
+from pipeline.clipping import functional, guard
+from pipeline.clipping.guard import Unsupported
 from pipeline.clipping.layers import lookup
 from pipeline.clipping.uses import Use, inner, merged
 
 RULES = ("classic", "automatic")
-CHECKS = ("first", "always", "never")
+CHECKS = ("guard", "brute")
 SUM_BY = ("bookkeeping", "backward")
 FORMS = ("auto", "gram", "direct")
 MIXING = (nn.modules.batchnorm._BatchNorm, nn.GroupNorm)  # GroupNorm is per-example, but unregistered: named
-CHECK_RTOL = 1e-3  # the self-check's tolerance on squared norms (float32 sums taken in two orders)
-# ... and its floor, CHECK_FLOOR eps^2 of the example's whole squared norm (eps of the parameters' dtype: 1.4e-13
-# in float32): a parameter whose true gradient is zero (a key projection's bias, by the softmax's shift
-# invariance) carries rounding residues (measured: up to 5e-19 of the whole in float32) that no relative
-# tolerance matches. Rounding's level, far below any parameter that learns (the smallest on DPFormer's
-# first step: 1e-11 of the whole, a key projection at init)
-CHECK_FLOOR = 10
-CHECK_EXAMPLES = 3  # examples of the first batch checked against one backward pass each
-
-
-class Unsupported(TypeError):
-    """The model holds something the engine cannot account for exactly."""
+FLAT_DEPTH = 8  # graph nodes walked back from a layer's (n T, d) input to the batch-first tensor it was flattened from
 
 
 def coefficients(norms: torch.Tensor, *, C: float, rule: str = "classic", gamma: float = 0.01) -> torch.Tensor:
@@ -82,9 +81,10 @@ def _wide(t: torch.Tensor) -> torch.Tensor:
 
 
 def _shape(p: nn.Parameter) -> tuple[int, int]:
-    """The (P, Q) a per-example gradient of ``p`` is handled as: a matrix as it is, a vector as (1, Q)."""
-    if p.dim() == 1:
-        return 1, p.numel()
+    """The (P, Q) a per-example gradient of ``p`` is handled as: a matrix as it is, a vector or a
+    scalar as (1, Q)."""
+    if p.dim() <= 1:
+        return 1, max(1, p.numel())
     return p.shape[0], p.numel() // p.shape[0]
 
 
@@ -99,11 +99,49 @@ def _plain_reshape(view: torch.Tensor, base: torch.Tensor, x: torch.Tensor) -> b
             and base is not x and base is not getattr(x, "_base", None))
 
 
+def _pair(edge) -> tuple:
+    """A gradient edge as the (node, output number) pair that ``next_functions`` lists."""
+    return edge.node, edge.output_nr
+
+
+def _batch_size(batch: Any) -> int | None:
+    """The leading size of the first tensor in the batch (any nesting of tuples, lists and dicts): the
+    number of examples, by the engine's batch-first contract."""
+    if isinstance(batch, torch.Tensor):
+        return batch.shape[0] if batch.dim() else None
+    items = batch.values() if isinstance(batch, dict) else batch if isinstance(batch, (list, tuple)) else ()
+    for item in items:
+        found = _batch_size(item)
+        if found is not None:
+            return found
+    return None
+
+
+@dataclass
+class _Call:
+    """One recorded call: its layer and the function that reads it, its input, the edge its output's
+    gradient is read at, the output's (shape, dtype), the version counters that show an in-place change
+    after the call, the leading size of the batch-first tensor its rows were flattened from (if they
+    were), and what the guard needs (``guard.Call``)."""
+    module: nn.Module
+    fn: Callable
+    x: torch.Tensor
+    edge: Any
+    meta: tuple
+    versions: tuple
+    lead: int | None
+    proof: guard.Call
+    broadcast: bool = False
+
+
 class PhantomClipping:
     """Per-example gradient norms and their clipped sum for ``model`` (see the module's docstring)."""
 
     def __init__(self, model: nn.Module, C: float, *, rule: str = "classic", gamma: float = 0.01,
-                 sum_by: str = "bookkeeping", form: str = "auto", check: str = "first"):
+                 sum_by: str = "bookkeeping", form: str = "auto", check: str = "guard"):
+        if check in ("first", "always", "never"):
+            raise ValueError(f"check {check!r} is gone: the guard now proves every step (no sampled self-check to "
+                             "turn on or off); check='brute' adds a brute-force comparison on every step")
         for value, known, key in ((rule, RULES, "rule"), (sum_by, SUM_BY, "sum_by"), (form, FORMS, "form"),
                                   (check, CHECKS, "check")):
             if value not in known:
@@ -115,97 +153,201 @@ class PhantomClipping:
         self.model, self.C, self.rule, self.gamma = model, float(C), rule, float(gamma)
         self.sum_by, self.form, self.check = sum_by, form, check
         self.params = {id(p): (name, p) for name, p in model.named_parameters(remove_duplicate=True) if p.requires_grad}
-        self.layers = self._layers()
         self._names = {m: name for name, m in model.named_modules(remove_duplicate=True)}  # for messages
-        self._calls: list[tuple] = []  # (layer, input, output's gradient edge, its (shape, dtype), input's version)
+        self.layers, self._how = self._layers()
+        self._holders = {pid: [self._names[m] for m, ps in self.layers.items() if any(id(p) == pid for p in ps)]
+                         for pid in self.params}
+        self._calls: list[_Call] = []
+        self._flat: dict = {}  # this forward pass: recorded output edges of calls on flattened rows -> leading size
         self._active = False
-        self._checked = False
-        for module in self.layers:
-            module.register_forward_hook(self._record, with_kwargs=True)
+        self._hint: int | None = None  # this forward pass's number of examples, from the batch
+        self._modes: list = []
+        for module, how in self._how.items():
+            if how == "capture":
+                module.register_forward_pre_hook(self._enter)
+                module.register_forward_hook(self._leave, always_call=True)
+            else:
+                module.register_forward_hook(self._record, with_kwargs=True)
 
     def ties(self) -> dict[str, list[str]]:
         """Each trainable parameter held by more than one layer, with those layers' names (found by
         identity: ``{'transformer.wte.weight': ['transformer.wte', 'lm_head']}`` for GPT-2)."""
-        names = self._names
-        found = {}
-        for pid, (name, _) in self.params.items():
-            holders = [names[m] for m, ps in self.layers.items() if any(id(p) == pid for p in ps)]
-            if len(holders) > 1:
-                found[name] = holders
-        return found
+        return {self.params[pid][0]: held for pid, held in self._holders.items() if len(held) > 1}
 
-    def _layers(self) -> dict[nn.Module, list[nn.Parameter]]:
-        """The layers holding the trainable parameters, each of a registered type; Unsupported otherwise."""
+    def _layers(self) -> tuple[dict[nn.Module, list[nn.Parameter]], dict[nn.Module, Any]]:
+        """The layers holding the trainable parameters, and how each is read: its registered function,
+        ``"capture"`` (a subclass of a registered type, read at its base's functional call) or
+        ``"autograd"`` (vectors only, by torch.func); Unsupported for anything else."""
+        holders: dict[int, list[nn.Module]] = {}
+        for module in self._names:
+            for _, p in module.named_parameters(recurse=False):
+                holders.setdefault(id(p), []).append(module)
         found: dict[nn.Module, list[nn.Parameter]] = {}
-        for name, module in self.model.named_modules(remove_duplicate=True):
+        how: dict[nn.Module, Any] = {}
+        for module, name in self._names.items():
             own = [(k, p) for k, p in module.named_parameters(recurse=False) if p.requires_grad]
             if not own:
                 continue
-            if isinstance(module, MIXING) or lookup(module) is None:
-                kind = f"{type(module).__module__}.{type(module).__qualname__}"
-                why = "mixes the examples of a batch" if isinstance(module, MIXING) else "has no registered function"
-                held = [f"{name}.{k}" if name else k for k, _ in own]
-                raise Unsupported(f"layer {name or '(the model)'} ({kind}) {why}, and holds the trainable {held}: "
-                                  "their per-example gradients cannot be accounted for; register a function for "
-                                  "the layer (pipeline.clipping.register), move them into a known layer, or freeze "
-                                  "them (requires_grad=False)")
+            inside = set(module.modules()) - {module}
+            if all(any(h in inside for h in holders[id(p)]) for _, p in own):
+                continue  # each is also held by a layer inside it (BERT's head's bias is its decoder's): counted there
+            kind = f"{type(module).__module__}.{type(module).__qualname__}"
+            held = [f"{name}.{k}" if name else k for k, _ in own]
+            if isinstance(module, MIXING):
+                raise Unsupported(f"layer {name or '(the model)'} ({kind}) mixes the examples of a batch, and holds the "
+                                  f"trainable {held}: no per-example gradient exists; freeze them "
+                                  "(requires_grad=False) or use a per-example normalisation (LayerNorm)")
             if isinstance(module, nn.Embedding) and module.scale_grad_by_freq:
                 raise Unsupported(f"layer {name} (nn.Embedding) has scale_grad_by_freq=True: each example's gradient "
                                   "is scaled by the counts of the whole batch, so it is no per-example gradient")
-            found[module] = [p for _, p in own]
-        return found
+            fn = lookup(module)
+            if fn is None and functional.base_of(module) is not None:
+                fn = "capture"
+            elif fn is None and all(p.dim() <= 1 for _, p in own):
+                fn = "autograd"
+            elif fn is None:
+                raise Unsupported(f"layer {name or '(the model)'} ({kind}) has no registered function, and holds the "
+                                  f"trainable {held}, not all of them vectors: their per-example gradients cannot "
+                                  "be accounted for; register a function for the layer (pipeline.clipping.register), "
+                                  "move them into a known layer, or freeze them (requires_grad=False)")
+            found[module], how[module] = [p for _, p in own], fn
+        return found, how
+
+    # --- recording ------------------------------------------------------------------------------
 
     def _record(self, module, args, kwargs, output):
+        """The forward hook of a registered or autograd-read layer."""
         if not (self._active and torch.is_grad_enabled()):
-            return
+            return None
         if not isinstance(output, torch.Tensor) or not output.requires_grad:
-            return
+            return None
         x = args[0] if args else next(iter(kwargs.values()))
-        # The output is kept as its gradient edge (the autograd node that made it), not as a tensor: the
-        # gradient is asked for at that edge, so the output's memory (a language model's logits, B x T x V)
-        # is freed as in a plain step, and an in-place change of the output after the call (ReLU(inplace=True),
-        # out.mul_(10)) does not move the gradient read: it is the one at the layer's output as made. An
-        # output that is a view (nn.Linear and Conv1D on a (n, T, d) input return their 2-D product reshaped)
-        # is read at its base's edge: an in-place change of a view re-routes the gradient around the view's
-        # own node (autograd's CopySlices), to the base's. A partial view is held, with its version counter,
-        # and refused if changed in place. The input's version counter: an in-place change of the input after
-        # the call would make the values read other than the ones the layer used.
+        fn = self._how[module]
+        if fn == "autograd":
+            detached = ([a.detach() if isinstance(a, torch.Tensor) else a for a in args],
+                        {k: v.detach() if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()})
+            fn = lambda layer, x, g, n: functional.per_example(layer, tuple(detached[0]), detached[1], g, n)  # noqa: E731
+        tensors = [t for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor)]
+        out = self._note(module, x, output, fn, tensors)
+        return out if out is not output else None
+
+    def _enter(self, module, args):
+        if self._active and torch.is_grad_enabled():
+            mode = functional.Capture(module, self._note)
+            mode.__enter__()
+            self._modes.append((module, mode))
+
+    def _leave(self, module, args, output):
+        if self._modes and self._modes[-1][0] is module:
+            self._modes.pop()[1].__exit__(None, None, None)
+
+    def _note(self, module, x: torch.Tensor, output: torch.Tensor, fn: Callable, tensors: list) -> torch.Tensor:
+        """Record one call; return the output the model goes on with (expanded over the batch where
+        the call ran on a batch of one broadcast over the examples).
+
+        The output is kept as its gradient edge (the autograd node that made it), not as a tensor: the
+        gradient is asked for at that edge, so the output's memory (a language model's logits, B x T x V)
+        is freed as in a plain step, and an in-place change of the output after the call (ReLU(inplace=True),
+        out.mul_(10)) does not move the gradient read: it is the one at the layer's output as made. An
+        output that is a view (nn.Linear and Conv1D on a (n, T, d) input return their 2-D product reshaped)
+        is read at its base's edge: an in-place change of a view re-routes the gradient around the view's
+        own node (autograd's CopySlices), to the base's. A partial view is held, with its version counter,
+        and refused if changed in place. The input's version counter: an in-place change of the input after
+        the call would make the values read other than the ones the layer used."""
+        broadcast = False
+        n = self._hint
+        if (n is not None and n > 1 and output.dim() and output.shape[0] == 1 and x.dim() and x.shape[0] == 1
+                and not x.requires_grad):
+            # a (1, T) row of constants (position ids) whose output is broadcast over the batch: expanded here,
+            # every example reads its own copy, and the gradient at the expansion is per example (at the layer's
+            # own output it is their sum). Broadcasting ops give the same values on the copies; a model that
+            # reduced the (1, ...) output without broadcasting it against the batch would now reduce n copies.
+            # An input with a gradient (a slice h[:1] of the batch) is not expanded, and refused after the pass.
+            output, x, broadcast = output.expand(n, *output.shape[1:]), x.expand(n, *x.shape[1:]), True
         held, version = None, None
-        base = output._base if output._is_view() else None
+        base = output._base if output._is_view() and not broadcast else None
         if base is None:
             edge = get_gradient_edge(output)
         elif _plain_reshape(output, base, x):
             edge = get_gradient_edge(base)
         else:
             edge, held, version = output, output, output._version
-        self._calls.append((module, x.detach(), edge, (output.shape, output.dtype), (x._version, held, version)))
+        proof = _pair(edge if held is None else get_gradient_edge(output))
+        lead = None
+        if n is not None and x.dim() and x.shape[0] != n:
+            lead = self._flattened_from(x)
+            if lead is not None:
+                self._flat[proof] = lead
+        inputs = frozenset(_pair(get_gradient_edge(t)) for t in tensors if t.requires_grad)
+        own = frozenset(id(p) for p in self.layers[module])
+        self._calls.append(_Call(module, fn, x.detach(), edge, (output.shape, output.dtype),
+                                 (x._version, held, version), lead,
+                                 guard.Call(self._names.get(module) or "(the model)", proof, inputs, own),
+                                 broadcast))
+        return output
+
+    def _flattened_from(self, x: torch.Tensor) -> int | None:
+        """The leading size of the batch-first tensor whose rows ``x``'s rows are (OPT's feed-forward runs
+        on ``h.reshape(-1, d)``): ``x`` a whole view of it, or made from it by a chain of one-input
+        operations (a norm, an activation, a layer on flattened rows already found) from such a view."""
+        if x._is_view():
+            base = x._base
+            if base.dim() > x.dim() and base.numel() == x.numel() and x.is_contiguous() and base.is_contiguous():
+                return base.shape[0]
+        node, nr = x.grad_fn, x.output_nr
+        for _ in range(FLAT_DEPTH):
+            if node is None:
+                return None
+            if (node, nr) in self._flat:
+                return self._flat[(node, nr)]
+            sizes = getattr(node, "_saved_self_sym_sizes", None)
+            if sizes is not None and guard.operation(node) in ("view", "unsafeview", "reshapealias"):
+                return int(sizes[0]) if len(sizes) > x.dim() else None
+            nexts = [e for e in node.next_functions if e[0] is not None]
+            if len(nexts) != 1:
+                return None
+            node, nr = nexts[0]
+        return None
 
     # --- the two passes -----------------------------------------------------------------------
 
     def _uses(self, losses: torch.Tensor, keep_graph: bool) -> dict[int, list[Use]]:
-        """Every recorded call's uses, by parameter id, from one gradient pass to the layers' outputs."""
-        calls, self._calls = self._calls, []
+        """Every recorded call's uses, by parameter id, from one gradient pass to the layers' outputs,
+        once the guard has proved that no other use exists."""
+        calls, self._calls, self._flat = self._calls, [], {}
         if not calls:
             raise Unsupported("the loss depends on no layer of the model that holds a trainable parameter")
         names = self._names
-        for module, x, _, _, (version, held, held_version) in calls:
-            if x._version != version or (held is not None and held._version != held_version):
-                which = "input" if x._version != version else "output (a partial view)"
-                raise Unsupported(f"the {which} of {names.get(module, type(module).__name__)} was changed in "
-                                  "place after the call (x.mul_(...)): the engine would read other values than the "
-                                  "layer used; make that operation out of place")
-        grads = torch.autograd.grad(losses.sum(), [edge for _, _, edge, _, _ in calls], retain_graph=keep_graph,
-                                    allow_unused=True)
+        for call in calls:
+            version, held, held_version = call.versions
+            if call.x._version != version or (held is not None and held._version != held_version):
+                which = "input" if call.x._version != version else "output (a partial view)"
+                raise Unsupported(f"the {which} of {call.proof.name} was changed in place after the call "
+                                  "(x.mul_(...)): the engine would read other values than the layer used; make that "
+                                  "operation out of place")
         n = losses.shape[0]
+        for call in calls:
+            rows = call.meta[0][0] if len(call.meta[0]) else 0
+            if rows == n or (call.lead == n and rows % n == 0):
+                continue
+            if rows == 1:
+                raise Unsupported(f"a call of {call.proof.name} ran on a batch of 1 broadcast over the {n} examples, "
+                                  "and its input was not of batch 1 too, so it could not be expanded per example: "
+                                  "its output's gradient is the examples' sum; give the layer its input with one row "
+                                  "per example")
+            raise Unsupported(f"a call of {call.proof.name} returned shape {tuple(call.meta[0])}, whose first dimension "
+                              f"is not the batch of {n} examples (nor rows flattened from it): its output is shared "
+                              "by the whole batch (a bias table computed once, such as T5's relative-attention bias) "
+                              "or laid out another way, so its gradient mixes the examples; compute it per example, "
+                              "or freeze the layer's parameters (requires_grad=False)")
+        guard.prove(_pair(get_gradient_edge(losses)), [c.proof for c in calls], self.params, self._holders)
+        grads = torch.autograd.grad(losses.sum(), [c.edge for c in calls], retain_graph=keep_graph, allow_unused=True)
         uses: dict[int, list[Use]] = {}
-        for (module, x, _, (shape, dtype), _), g in zip(calls, grads):
-            g = torch.zeros(shape, dtype=dtype, device=x.device) if g is None else g.reshape(shape)
-            if shape[0] != n:  # a batch of 1 broadcast over the examples: its gradient is their sum
-                raise Unsupported(f"a call of {names.get(module, type(module).__name__)} has batch size "
-                                  f"{shape[0]}, the losses {n}: its output's gradient mixes the examples; give "
-                                  "every layer its inputs batch first, one row per example (Hugging Face models: "
-                                  "pass position_ids of shape (n, T), not the (1, T) they default to)")
-            given = lookup(module)(module, _wide(x), _wide(g.detach()), n)
+        for call, g in zip(calls, grads):
+            shape, dtype = call.meta
+            g = torch.zeros(shape, dtype=dtype, device=call.x.device) if g is None else g.reshape(shape)
+            module = call.module
+            given = call.fn(module, _wide(call.x), _wide(g.detach()), n)
             missing = {id(p) for p in self.layers[module]} - {id(p) for p, _ in given if p is not None}
             if missing:  # a layer function that leaves out a parameter would count it as zero
                 left = [self.params[pid][0] for pid in missing if pid in self.params]
@@ -249,8 +391,8 @@ class PhantomClipping:
     def step(self, loss_fn: Callable[[nn.Module, Any], torch.Tensor], batch: Any):
         """(losses, norms), and every trainable parameter's ``.grad`` set to the clipped sum
         sum_i c_i g_i (replacing what was there)."""
-        checking = self.check == "always" or (self.check == "first" and not self._checked)
-        rng = self._rng_states() if checking else None  # the self-check's forward pass draws the same dropout
+        brute = self.check == "brute"
+        rng = self._rng_states() if brute else None  # the brute force's forward pass draws the same dropout
         losses = self._forward(loss_fn, batch)
         uses = self._uses(losses, keep_graph=self.sum_by == "backward")
         n = losses.shape[0]
@@ -262,18 +404,17 @@ class PhantomClipping:
         if self.sum_by == "bookkeeping":
             self._bookkeeping(uses, c)
         # The output gradients (the logits', B x T x V, among them) are not held through the second backward
-        # pass or the self-check: a step's peak memory stays about that of a plain step's backward.
+        # pass or the brute force: a step's peak memory stays about that of a plain step's backward.
         del uses
         if self.sum_by == "backward":
             (c.to(losses.dtype) * losses).sum().backward()
-        if checking:
+        if brute:
             try:
-                self._self_check(loss_fn, batch, per, rng)
+                self._brute(loss_fn, batch, per, rng)
             except BaseException:
                 for _, p in self.params.values():  # no unchecked sum is left behind (a refusal, an error, Ctrl-C)
                     p.grad = None
                 raise
-            self._checked = True
         for _, p in self.params.values():  # a parameter the batch did not reach: a zero gradient
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
@@ -304,34 +445,41 @@ class PhantomClipping:
         if now != set(self.params):  # unfrozen, frozen, resized or re-tied since the engine was made
             raise Unsupported("the model's trainable parameters changed since the engine was made (a layer "
                               "unfrozen or frozen, an embedding resized or re-tied): make a new PhantomClipping")
-        self._calls, self._active = [], True
+        self._calls, self._flat, self._active, self._hint = [], {}, True, _batch_size(batch)
         try:
             losses = loss_fn(self.model, batch)
         finally:
             self._active = False
+            while self._modes:  # a forward pass that raised inside a subclassed layer
+                self._modes.pop()[1].__exit__(None, None, None)
         if not isinstance(losses, torch.Tensor) or losses.dim() != 1:
             self._calls = []
             raise ValueError(f"loss_fn must return the (n,) per-example losses, got "
                              f"{tuple(losses.shape) if isinstance(losses, torch.Tensor) else type(losses).__name__}")
+        if self._hint is not None and self._hint != losses.shape[0] and any(c.broadcast for c in self._calls):
+            self._calls = []
+            raise Unsupported(f"the batch's first tensor has {self._hint} rows and loss_fn returned {losses.shape[0]} "
+                              "losses: a layer called on a batch of one was expanded over the wrong number of "
+                              "examples; put a batch-first tensor of the examples first in the batch")
         return losses
 
     def _rng_states(self) -> tuple:
         """The random states a forward pass draws from (the CPU's and each CUDA device's of the
-        model, Python's and NumPy's global ones): the self-check's own forward pass is run from them, so its
+        model, Python's and NumPy's global ones): the brute force's own forward pass is run from them, so its
         dropout masks are the step's, and they are put back after it (a checked step leaves the streams as an
         unchecked one). A model that draws from a generator of its own, or whose forward changes its state,
-        gives the check another forward pass than the step's: use check="never" for it, after checking it
-        on a copy."""
+        gives the brute force another forward pass than the step's."""
         devices = sorted({p.device.index or 0 for _, p in self.params.values() if p.device.type == "cuda"})
         return (torch.get_rng_state(), {d: torch.cuda.get_rng_state(d) for d in devices}, random.getstate(),
                 np.random.get_state())
 
-    def _self_check(self, loss_fn, batch, per: dict[int, torch.Tensor], rng: tuple) -> None:
-        """Each parameter's per-example norms against a brute force, one backward pass per example,
-        on the first ``CHECK_EXAMPLES`` examples: a use the engine did not record (a parameter used
-        outside its layers' calls) or a wrong layer function shows as a difference. The brute force
-        runs on a forward pass of its own (no hook records it), from the step's random states, after
-        the step's graph is freed: the check adds time to the first step, not memory."""
+    def _brute(self, loss_fn, batch, per: dict[int, torch.Tensor], rng: tuple) -> None:
+        """``check="brute"``: each parameter's per-example norms against one backward pass per example, on
+        a forward pass of its own (no hook records it) from the step's random states, after the step's graph
+        is freed. The guard has proved that every use was recorded, so a difference is a layer function
+        that is wrong for its layer. The tolerance is rounding's, 16 eps sqrt(m) relative (m the model's
+        trainable numbers, eps its dtype's), with a floor of its square times the example's whole squared
+        norm (a parameter whose true gradient is zero, a key projection's bias, carries rounding residues)."""
         names, params = zip(*self.params.values())
         cpu, cuda, py, npy = rng
         after = random.getstate(), np.random.get_state()
@@ -346,17 +494,18 @@ class PhantomClipping:
             finally:
                 random.setstate(after[0])
                 np.random.set_state(after[1])
-        k = min(CHECK_EXAMPLES, losses.shape[0])
-        for i in range(k):
-            truth = torch.autograd.grad(losses[i], params, retain_graph=i + 1 < k, allow_unused=True)
+        terms = sum(p.numel() for p in params)
+        rtol = functional.rounding(params[0].dtype, terms)
+        for i in range(losses.shape[0]):
+            truth = torch.autograd.grad(losses[i], params, retain_graph=i + 1 < losses.shape[0], allow_unused=True)
             wants = [0.0 if want is None else float(want.double().pow(2).sum()) for want in truth]
-            floor = CHECK_FLOOR * torch.finfo(params[0].dtype).eps ** 2 * sum(wants)
+            floor = rtol ** 2 * sum(wants)
             for name, p, want_sq in zip(names, params, wants):
                 have_sq = float(per[id(p)][i]) if id(p) in per else 0.0
-                scale = max(want_sq, have_sq, 1e-30)
-                if abs(have_sq - want_sq) > max(CHECK_RTOL * scale, floor):
+                if abs(have_sq - want_sq) > max(rtol * max(want_sq, have_sq), floor):
+                    kinds = sorted({type(m).__name__ for m, ps in self.layers.items() if any(q is p for q in ps)})
                     raise Unsupported(
-                        f"parameter {name}: its per-example gradient norm is not what the engine computed from "
-                        f"the uses it recorded (example {i}: squared norm {have_sq:.6g}, one backward pass gives "
-                        f"{want_sq:.6g}): it is used outside its layers' calls (F.linear(x, weight), h @ E.T, ...), "
-                        "where no hook sees it; use it through its layer, or register the layer that uses it")
+                        f"parameter {name}: the function registered for {', '.join(kinds)} gives example {i} a squared "
+                        f"gradient norm of {have_sq:.6g}, one backward pass gives {want_sq:.6g} (tolerance {rtol:.1e}, "
+                        f"from {p.dtype} and {terms} parameters): the layer function is wrong for this layer, or the "
+                        "layer's forward is not what it assumes; fix the function or register the right one")

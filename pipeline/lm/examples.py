@@ -60,8 +60,9 @@ def _wide(logits: torch.Tensor) -> torch.Tensor:
 
 def _logits_and_losses(model, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(n, L, V) logits and (n, L) next-token cross-entropies of (n, L + 1) rows. Positions are
-    given per row, (n, L): the clipping engine needs every layer's input batch first (Hugging Face
-    defaults to one (1, L) row broadcast); inputs and positions contiguous (Opacus views the ids)."""
+    given per row, (n, L): Opacus's engines need every layer's input batch first (Hugging Face
+    defaults to one (1, L) row broadcast, which Phantom expands itself); inputs and positions
+    contiguous (Opacus views the ids)."""
     n, T = rows.shape
     inputs = rows[:, :-1].contiguous()
     positions = torch.arange(T - 1, device=rows.device).repeat(n, 1)

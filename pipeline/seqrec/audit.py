@@ -69,8 +69,7 @@ class OneBranchPhantom(PhantomClipping):
 
     def __init__(self, model, clip):
         super().__init__(model, C=float(clip.C), rule=str(clip.rule), gamma=float(clip.gamma),
-                         sum_by=str(clip.get("sum_by", "bookkeeping")), form=str(clip.get("norm_form", "auto")),
-                         check="never")
+                         sum_by=str(clip.get("sum_by", "bookkeeping")), form=str(clip.get("norm_form", "auto")))
 
     def _sq_norms(self, uses, n):
         def one(found):  # the lookup (an index use) where there is one: the input branch

@@ -95,7 +95,7 @@ def validate(cfg: DictConfig) -> None:
     _num(c.gamma, "clipping.gamma", 0.0, low_open=c.rule == "automatic")  # automatic divides by norm + gamma
     _choice(c.get("norm_form", "auto"), "clipping.norm_form", MODES)
     _choice(c.get("sum_by", "bookkeeping"), "clipping.sum_by", SUM_BY)
-    _choice(c.get("check", "first"), "clipping.check", CHECKS)
+    _choice(c.get("check", "guard"), "clipping.check", CHECKS)
     if c.name == "ghost" and m.arch != "transformer":
         raise ConfigError(f"clipping=ghost with model={m.name}: Ghost Clipping (Opacus) refuses a layer called "
                           f"more than once in a forward pass, as the {m.arch.upper()}'s recurrent layer is at every "

@@ -47,7 +47,7 @@ def phantom(model, clip, engine=None) -> Bound:
     return Bound(engine or PhantomClipping(
         model, C=float(clip.C), rule=str(clip.rule), gamma=float(clip.gamma),
         sum_by=str(clip.get("sum_by", "bookkeeping")), form=str(clip.get("norm_form", "auto")),
-        check=str(clip.get("check", "first"))))
+        check=str(clip.get("check", "guard"))))
 
 
 def make(name: str, model, clip) -> "object":

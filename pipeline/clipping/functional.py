@@ -1,0 +1,141 @@
+"""Layers without a registered function of their own, handled exactly all the same:
+
+* a subclass of a registered layer type whose ``forward`` does more than the base (a scaled word
+  embedding, ``super().forward(ids) * sqrt(d)``; a learned position embedding with an offset,
+  ``super().forward(positions + 2)``): the call of the base's functional form on the layer's own
+  weight (``F.embedding(ids, self.weight, ...)``, ``F.linear(x, self.weight, self.bias)``) is
+  recorded while the layer runs (a ``TorchFunctionMode`` active during its call only), and the base's
+  function reads it; what the subclass does around it is ordinary graph, walked by the guard;
+* a layer whose trainable parameters are all vectors or scalars (the many RMSNorm and LayerNorm
+  variants of Hugging Face's families: T5's, Gemma's ``(1 + w)``, ...): each example's gradient of
+  them by ``torch.func``, the vector-Jacobian product of the layer's own forward on that example's
+  rows, vectorised over the examples. Exact (it is autograd), and checked on every call: the
+  examples' gradients must add up to the batch's, or the layer mixes the examples of a batch and is
+  refused.
+"""
+
+from __future__ import annotations
+
+import math
+from types import SimpleNamespace
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from pipeline.clipping import layers
+from pipeline.clipping.guard import Unsupported
+from pipeline.clipping.uses import Direct
+
+
+def _embedding_call(layer, args, kwargs):
+    """F.embedding(input, weight, padding_idx=None, ...) on the layer's weight: (input, a stand-in layer)."""
+    named = dict(zip(("input", "weight", "padding_idx", "max_norm", "norm_type", "scale_grad_by_freq"), args))
+    named.update(kwargs)
+    if named.get("weight") is not layer.weight:
+        return None
+    if named.get("max_norm") is not None or named.get("scale_grad_by_freq"):
+        raise Unsupported(f"{type(layer).__name__} calls F.embedding with max_norm or scale_grad_by_freq: its rows "
+                          "are renormalised or its gradient scaled by the whole batch's counts, no per-example gradient")
+    padding = named.get("padding_idx")
+    if padding is not None and padding < 0:
+        padding += layer.weight.shape[0]
+    return named["input"], SimpleNamespace(weight=layer.weight, padding_idx=padding,
+                                           num_embeddings=layer.weight.shape[0]), layers.embedding
+
+
+def _linear_call(layer, args, kwargs):
+    """F.linear(input, weight, bias=None) on the layer's weight."""
+    named = dict(zip(("input", "weight", "bias"), args))
+    named.update(kwargs)
+    if named.get("weight") is not layer.weight:
+        return None
+    bias = named.get("bias")
+    if bias is not None and bias is not getattr(layer, "bias", None):
+        return None
+    return named["input"], SimpleNamespace(weight=layer.weight, bias=bias, out_features=layer.weight.shape[0]), \
+        layers.linear
+
+
+BASES = ((nn.Embedding, F.embedding, _embedding_call), (nn.Linear, F.linear, _linear_call))
+
+
+def base_of(module: nn.Module):
+    """(functional form, reader) for a subclass of a registered base layer type, else None."""
+    for base, fn, reader in BASES:
+        if isinstance(module, base) and type(module) is not base:
+            return fn, reader
+    return None
+
+
+class Capture(TorchFunctionMode):
+    """Active while one subclassed layer runs: each call of its base's functional form on its own
+    weight is handed to ``note(layer, x, output, stand_in, function, tensors)``, whose return value
+    (the output, or the output expanded over the batch) is what the layer goes on with."""
+
+    def __init__(self, layer: nn.Module, note: Callable):
+        super().__init__()
+        self.layer, self.note = layer, note
+        self.fn, self.reader = base_of(layer)
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if func is self.fn and isinstance(out, torch.Tensor) and out.requires_grad:
+            found = self.reader(self.layer, args, kwargs)
+            if found is not None:
+                x, stand_in, function = found
+                out = self.note(self.layer, x, out, lambda layer, x, g, n: function(stand_in, x, g, n),
+                                [t for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor)
+                                 and t is not self.layer.weight and t is not getattr(self.layer, "bias", None)])
+        return out
+
+
+def rounding(dtype: torch.dtype, terms: int) -> float:
+    """A relative tolerance for two sums of ``terms`` products taken in different orders: rounding's
+    random walk, 16 eps sqrt(terms) (eps of ``dtype``: 1.2e-7 in float32, 2.2e-16 in float64)."""
+    return 16 * torch.finfo(dtype).eps * math.sqrt(max(1, terms))
+
+
+def per_example(layer: nn.Module, args: tuple, kwargs: dict, g: torch.Tensor, n: int):
+    """[(parameter, Direct (n, 1, numel))] for each trainable parameter the layer holds itself: the
+    vector-Jacobian product of the layer's forward on each example's rows with that example's output
+    gradient, vectorised over the examples (``torch.func.vmap``). ``args``/``kwargs`` are the call's,
+    detached; a tensor whose leading dimension is the output's rows is split by example, any other
+    is shared (a (1, T) position table broadcast over the batch)."""
+    from torch.func import functional_call, vjp, vmap
+
+    names = [k for k, p in layer.named_parameters(recurse=False) if p.requires_grad]
+    values = tuple(getattr(layer, k).detach() for k in names)
+    rows = g.shape[0]
+    flat, spec = tree_flatten((args, kwargs))
+    dims = [0 if isinstance(t, torch.Tensor) and t.dim() and t.shape[0] == rows else None for t in flat]
+    per = [t.reshape(n, rows // n, *t.shape[1:]) if d == 0 else t for t, d in zip(flat, dims)]
+
+    def pull(params, inputs, grad):
+        a, k = tree_unflatten(list(inputs), spec)
+        _, back = vjp(lambda *v: functional_call(layer, dict(zip(names, v)), a, k), *params)
+        return back(grad)
+
+    try:
+        grads = vmap(pull, in_dims=(None, dims, 0))(values, per, g.reshape(n, rows // n, *g.shape[1:]))
+        whole = pull(values, flat, g)  # the batch's gradient in one piece
+    except (RuntimeError, ValueError, TypeError) as error:
+        first = (str(error).strip().splitlines() or [type(error).__name__])[0]
+        raise Unsupported(f"layer {type(layer).__name__} has no registered function, and torch.func could not run its "
+                          f"forward one example at a time ({first}): register a function for it "
+                          "(pipeline.clipping.register) or freeze it") from error
+    for name, each, total in zip(names, grads, whole):
+        summed = each.sum(0)
+        scale = float(each.abs().sum()) + float(total.abs().sum())
+        # at float32's rounding at least: Hugging Face's norms compute in float32 whatever the input's dtype
+        if float((summed - total).abs().sum()) > rounding(torch.float32, g.numel()) * max(scale, 1e-300):
+            raise Unsupported(
+                f"layer {type(layer).__name__} has no registered function, and the gradients of its {name} computed "
+                "one example at a time do not add up to the batch's: its forward mixes the examples of a batch (or "
+                "draws randomness per call), so no per-example gradient exists; register a function for it "
+                "(pipeline.clipping.register) or freeze it")
+    return [(getattr(layer, k), Direct(grad=each.reshape(n, 1, -1))) for k, each in zip(names, grads)]

@@ -1,0 +1,208 @@
+"""The engine on layers as models ship them, without adapters (pipeline/clipping/functional.py and the
+engine's recording): subclasses of nn.Embedding that scale or offset, norms without a registered
+function, a layer called on a batch of one broadcast over the examples, rows flattened to (n T, d),
+a parameter held by a layer and by the module around it, scalar parameters; each against one
+backward pass per example in float64, and what still cannot be done refused by name."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pipeline.clipping import PhantomClipping, Unsupported, layers
+from pipeline.clipping.uses import Direct
+from test_clipping import brute_force, norms_of
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _float64():
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    yield
+    torch.set_default_dtype(before)
+
+
+class Scaled(nn.Embedding):
+    """Gemma 3's and BART's scaled word embedding: the lookup times sqrt(d)."""
+
+    def forward(self, ids):
+        return super().forward(ids) * self.embedding_dim ** 0.5
+
+
+class Offset(nn.Embedding):
+    """OPT's learned positions: the positions counted from the mask, shifted by 2 rows."""
+
+    def forward(self, mask):
+        positions = (torch.cumsum(mask, dim=1) * mask - 1).long()
+        return super().forward(positions + 2)
+
+
+class OnePlus(nn.Module):
+    """Gemma's RMSNorm: x / rms(x) * (1 + w), w zero at init; no registered function."""
+
+    def __init__(self, d):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(d) * 0.1)
+
+    def forward(self, x):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * (1 + self.weight)
+
+
+class Head(nn.Module):
+    """BERT's prediction head: ``bias`` is its own Parameter and its decoder's."""
+
+    def __init__(self, d, V):
+        super().__init__()
+        self.decoder = nn.Linear(d, V)
+        self.bias = self.decoder.bias
+
+    def forward(self, h):
+        return self.decoder(h)
+
+
+class Shipped(nn.Module):
+    """A tied language model built from the pieces above: a scaled lookup, offset positions from the
+    mask, a (1, T) table broadcast over the batch, a norm of its own, a feed-forward on rows flattened
+    to (n T, d) (OPT's), a scalar gate, and a head whose bias its decoder holds too, tied to the lookup."""
+
+    def __init__(self, V=13, d=6, T=7):
+        super().__init__()
+        self.emb = Scaled(V, d, padding_idx=0)
+        self.pos = Offset(T + 2, d)
+        self.table = nn.Embedding(T, d)
+        self.norm = OnePlus(d)
+        self.fc1, self.fc2 = nn.Linear(d, 2 * d), nn.Linear(2 * d, d)
+        self.gate = nn.Parameter(torch.tensor(0.7))
+        self.head = Head(d, V)
+        self.head.decoder.weight = self.emb.weight
+
+    def forward(self, ids, mask):
+        T = ids.shape[1]
+        h = self.emb(ids) + self.pos(mask) + self.table(torch.arange(T).unsqueeze(0))  # (1, T): broadcast
+        shape = h.shape
+        flat = self.norm(h.reshape(-1, shape[-1]))
+        h = h + self.gate * self.fc2(F.gelu(self.fc1(flat))).view(shape)
+        return self.head(h)
+
+
+def shipped_loss(model, batch):
+    ids, mask = batch
+    logits = model(ids, mask)[:, :-1]
+    return (F.cross_entropy(logits.transpose(1, 2), ids[:, 1:], reduction="none") * mask[:, 1:]).sum(1)
+
+
+def shipped_batch(n=5, T=7, V=13):
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(1, V, (n, T), generator=g)
+    mask = torch.ones_like(ids)
+    ids[1, -3:], mask[1, -3:] = 0, 0  # padding
+    return ids, mask
+
+
+@pytest.mark.parametrize("sum_by", ["bookkeeping", "backward"])
+def test_a_model_built_as_hugging_face_ships_them_is_exact(sum_by):
+    torch.manual_seed(0)
+    model = Shipped()
+    batch = shipped_batch()
+    _, grads = brute_force(model, shipped_loss, batch)
+    engine = PhantomClipping(model, C=float(norms_of(grads).median()), sum_by=sum_by)
+    assert engine.ties() == {"emb.weight": ["emb", "head.decoder"]}  # the head's bias is its decoder's alone
+    _, norms = engine.step(shipped_loss, batch)
+    torch.testing.assert_close(norms, norms_of(grads), rtol=1e-10, atol=1e-12)
+    c = (engine.C / (norms_of(grads) + 1e-6)).clamp(max=1.0)
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, torch.einsum("n,n...->...", c, grads[name]), rtol=1e-9, atol=1e-12)
+
+
+def test_a_registered_layer_with_a_scalar_parameter_is_exact():
+    """A 0-dim parameter of a registered layer (it crashed in the engine's shapes)."""
+
+    class Temperature(nn.Linear):
+        def __init__(self, *a):
+            super().__init__(*a)
+            self.t = nn.Parameter(torch.tensor(1.3))
+
+        def forward(self, x):
+            return super().forward(x) * self.t
+
+    @layers.register(Temperature)
+    def temperature(layer, x, g, n):
+        y = F.linear(x, layer.weight, layer.bias)
+        (w, weight), (b, bias) = layers.linear(layer, x, g * layer.t.detach(), n)
+        return [(w, weight), (b, bias), (layer.t, Direct(grad=(g * y).reshape(n, -1).sum(1).view(n, 1, 1)))]
+
+    try:
+        torch.manual_seed(0)
+        model = nn.Sequential(Temperature(3, 4), nn.Tanh(), nn.Linear(4, 1))
+        x = torch.randn(5, 3)
+        loss_fn = lambda m, b: m(b).squeeze(-1) ** 2  # noqa: E731
+        _, grads = brute_force(model, loss_fn, x)
+        _, norms = PhantomClipping(model, C=1.0, check="brute").step(loss_fn, x)
+        torch.testing.assert_close(norms, norms_of(grads), rtol=1e-10, atol=1e-12)
+    finally:
+        del layers.LAYERS[Temperature]
+
+
+def test_a_norm_that_mixes_the_examples_is_refused():
+    """An unregistered vector layer read by torch.func must treat examples apart: one that centres over
+    the batch has no per-example gradient, and the per-example sum check says so."""
+
+    class BatchCentred(nn.Module):
+        def __init__(self, d):
+            super().__init__()
+            self.weight = nn.Parameter(torch.ones(d))
+
+        def forward(self, x):
+            return (x - x.mean(0, keepdim=True)) * self.weight
+
+    model = nn.Sequential(nn.Linear(3, 4), BatchCentred(4), nn.Linear(4, 1))
+    with pytest.raises(Unsupported, match=r"layer BatchCentred has no registered function, and the gradients of its "
+                                          r"weight computed one example at a time do not add up to the batch's"):
+        PhantomClipping(model, C=1.0).step(lambda m, b: m(b).squeeze(-1) ** 2, torch.randn(5, 3))
+
+
+def test_rows_flattened_in_another_order_are_refused():
+    """(T, n, d) rows flattened: a feed-forward on them is not example-major, and is refused naming the
+    call; the same rows flattened batch-first are exact."""
+    fc = nn.Linear(3, 2)
+
+    def loss_fn(time_major):
+        def fn(m, x):
+            h = x.transpose(0, 1) if time_major else x
+            out = m(h.reshape(-1, 3)).view(*h.shape[:2], 2)
+            return (out.transpose(0, 1) if time_major else out).pow(2).sum((1, 2))
+        return fn
+
+    x = torch.randn(4, 6, 3)
+    _, grads = brute_force(fc, loss_fn(False), x)
+    _, norms = PhantomClipping(fc, C=1.0).per_example_norms(loss_fn(False), x)
+    torch.testing.assert_close(norms, norms_of(grads), rtol=1e-10, atol=1e-12)
+    with pytest.raises(Unsupported, match=r"a call of \(the model\) returned shape \(24, 2\), whose first dimension is "
+                                          r"not the batch of 4 examples \(nor rows flattened from it\)"):
+        PhantomClipping(fc, C=1.0).per_example_norms(loss_fn(True), x)
+
+
+def test_a_batch_free_table_is_refused_with_what_to_do():
+    """T5's relative-attention bias: a table read without any batch dimension, shared by the whole
+    batch. Refused naming the layer, and what to do (compute it per example, or freeze it)."""
+
+    class Biased(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.bias = nn.Embedding(9, 1)
+            self.lin = nn.Linear(3, 3)
+
+        def forward(self, x):
+            T = x.shape[1]
+            rel = self.bias(torch.arange(T)[:, None] - torch.arange(T)[None, :] + 4).squeeze(-1)  # (T, T)
+            return (rel.softmax(-1) @ self.lin(x)).pow(2).sum((1, 2))
+
+    model = Biased()
+    with pytest.raises(Unsupported, match=r"a call of bias returned shape \(5, 5, 1\), whose first dimension is not the "
+                                          r"batch of 4 examples .* or freeze the layer's parameters"):
+        PhantomClipping(model, C=1.0).step(lambda m, b: m(b), torch.randn(4, 5, 3))
+    model.bias.requires_grad_(False)
+    _, grads = brute_force(model, lambda m, b: m(b), torch.randn(4, 5, 3))
+    PhantomClipping(model, C=1.0).step(lambda m, b: m(b), torch.randn(4, 5, 3))  # frozen: the rest runs
