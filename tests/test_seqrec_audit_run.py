@@ -185,7 +185,7 @@ def test_one_branch_trains_with_the_one_branch_engine(monkeypatch):
     seen = []
 
     class Spy(step_audit.OneBranchPhantom):
-        def _sq_norms(self, uses, n):
+        def _sq_norms(self, uses, n, stacks=None):
             buggy = super()._sq_norms(uses, n)
             real = PhantomClipping._sq_norms(self, uses, n)  # the real engine's, every use and cross term
             seen.append((sum(buggy.values()).detach(), sum(real.values()).detach()))

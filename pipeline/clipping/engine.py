@@ -54,7 +54,7 @@ from torch.autograd.graph import get_gradient_edge
 from pipeline.clipping import functional, guard
 from pipeline.clipping.guard import Unsupported
 from pipeline.clipping.layers import lookup
-from pipeline.clipping.uses import Use, inner, merged
+from pipeline.clipping.uses import Stack, Use, inner, merged, stack_key
 
 RULES = ("classic", "automatic")
 CHECKS = ("guard", "brute")
@@ -359,10 +359,32 @@ class PhantomClipping:
                     uses.setdefault(id(p), []).append(use)
         return {pid: merged(found) for pid, found in uses.items()}
 
-    def _sq_norms(self, uses: dict[int, list[Use]], n: int) -> dict[int, torch.Tensor]:
-        """Each parameter's per-example squared gradient norms, (n,), by parameter id."""
-        per: dict[int, torch.Tensor] = {}
+    def _stacks(self, uses: dict[int, list[Use]]) -> tuple[list[tuple[list[int], Stack]], list[int]]:
+        """The parameters of one use each, grouped by ``stack_key`` into batched computations (groups of
+        two or more), and the rest (tied and reused-in-two-ways parameters, with their cross terms; lookups;
+        a shape of its own), served one by one."""
+        keyed: dict[tuple, list[int]] = {}
+        alone: list[int] = []
         for pid, found in uses.items():
+            key = stack_key(found[0], _shape(self.params[pid][1]), self.form) if len(found) == 1 else None
+            (keyed.setdefault(key, []) if key is not None else alone).append(pid)
+        stacks = []
+        for key, pids in keyed.items():
+            if len(pids) == 1:
+                alone.extend(pids)
+            else:
+                stacks.append((pids, Stack.of([uses[pid][0] for pid in pids], key)))
+        return stacks, alone
+
+    def _sq_norms(self, uses: dict[int, list[Use]], n: int, stacks=None) -> dict[int, torch.Tensor]:
+        """Each parameter's per-example squared gradient norms, (n,), by parameter id."""
+        stacks, alone = stacks or self._stacks(uses)
+        per: dict[int, torch.Tensor] = {}
+        for pids, stack in stacks:
+            for pid, sq in zip(pids, stack.sq_norms()):
+                per[pid] = sq
+        for pid in alone:
+            found = uses[pid]
             shape = _shape(self.params[pid][1])
             sq = 0
             for use in found:
@@ -375,11 +397,9 @@ class PhantomClipping:
 
     @staticmethod
     def _total(per: dict[int, torch.Tensor], losses: torch.Tensor) -> torch.Tensor:
-        total = torch.zeros(losses.shape[0], device=losses.device,
-                            dtype=torch.float64 if losses.dtype == torch.float64 else torch.float32)
-        for sq in per.values():
-            total = total + sq.to(total.dtype)
-        return total.clamp(min=0).sqrt()
+        """The whole model's per-example norms: the parameters' squared norms summed in one operation."""
+        dtype = torch.float64 if losses.dtype == torch.float64 else torch.float32
+        return torch.stack([sq.to(dtype) for sq in per.values()]).sum(0).clamp(min=0).sqrt()
 
     def per_example_norms(self, loss_fn: Callable[[nn.Module, Any], torch.Tensor], batch: Any):
         """(losses, norms): each (n,), the norms of the whole model's per-example gradients; no
@@ -396,16 +416,17 @@ class PhantomClipping:
         losses = self._forward(loss_fn, batch)
         uses = self._uses(losses, keep_graph=self.sum_by == "backward")
         n = losses.shape[0]
-        per = self._sq_norms(uses, n)
+        stacks = self._stacks(uses)
+        per = self._sq_norms(uses, n, stacks)
         norms = self._total(per, losses)
         c = coefficients(norms, C=self.C, rule=self.rule, gamma=self.gamma).detach()
         for _, p in self.params.values():
             p.grad = None
         if self.sum_by == "bookkeeping":
-            self._bookkeeping(uses, c)
+            self._bookkeeping(uses, c, stacks)
         # The output gradients (the logits', B x T x V, among them) are not held through the second backward
         # pass or the brute force: a step's peak memory stays about that of a plain step's backward.
-        del uses
+        del uses, stacks
         if self.sum_by == "backward":
             (c.to(losses.dtype) * losses).sum().backward()
         if brute:
@@ -420,12 +441,17 @@ class PhantomClipping:
                 p.grad = torch.zeros_like(p)
         return losses.detach(), norms
 
-    def _bookkeeping(self, uses: dict[int, list[Use]], c: torch.Tensor) -> None:
-        """``p.grad = sum_i c_i G_i`` from the recorded factors (a function of its own: no loop variable
-        keeps a use, and with it an output gradient, alive after it)."""
-        for pid, found in uses.items():
+    def _bookkeeping(self, uses: dict[int, list[Use]], c: torch.Tensor, stacks) -> None:
+        """``p.grad = sum_i c_i G_i`` from the recorded factors, a stack's k sums in one batched product
+        (a function of its own: no loop variable keeps a use, and with it an output gradient, alive after it)."""
+        stacked, alone = stacks
+        for pids, stack in stacked:
+            for pid, grad in zip(pids, stack.weighted_sums(c)):
+                p = self.params[pid][1]
+                p.grad = grad.reshape(p.shape).to(p.dtype)
+        for pid in alone:
             p = self.params[pid][1]
-            p.grad = sum(use.weighted_sum(c) for use in found).reshape(p.shape).to(p.dtype)
+            p.grad = sum(use.weighted_sum(c) for use in uses[pid]).reshape(p.shape).to(p.dtype)
 
     def add_noise(self, multiplier: float, generator: torch.Generator | None = None) -> None:
         """The Gaussian mechanism on the clipped sum: N(0, (multiplier C)^2) added to every ``p.grad``.

@@ -108,9 +108,11 @@ def _gathered(ids: torch.Tensor, dense: Outer) -> torch.Tensor:
     """(n, T_dense, S_ids): dense.left at the rows ``ids`` name (zero where they fall outside its span)."""
     start, stop = dense.span
     idx = ids - start
-    inside = (idx >= 0) & (idx < stop - start)
     got = torch.gather(dense.left, 2, idx.clamp(0, stop - start - 1).unsqueeze(1).expand(-1, dense.left.shape[1], -1))
-    return got if bool(inside.all()) else got * inside.unsqueeze(1).to(got.dtype)
+    if (start, stop) == (0, dense.rows):
+        return got  # every id is a row the dense factor covers (no test of the ids: a host synchronisation)
+    inside = (idx >= 0) & (idx < stop - start)
+    return got * inside.unsqueeze(1).to(got.dtype)
 
 
 def _left_gram(a: Outer, b: Outer) -> torch.Tensor:
@@ -153,6 +155,13 @@ def _materialised(a: Use, b: Use, n: int, shape: tuple[int, int]) -> torch.Tenso
     return torch.cat(parts)
 
 
+def _form(a: Outer, b: Outer, shape: tuple[int, int], form: str) -> str:
+    """``gram`` or ``direct`` for <G^a, G^b>: as asked, or (``auto``) the one with fewer operations."""
+    gram_cost = a.tokens * b.tokens * (shape[1] if (a.index or b.index) else shape[0] + shape[1])
+    direct_cost = (a.tokens + (0 if b is a else b.tokens)) * shape[0] * shape[1]
+    return form if form != "auto" else ("gram" if gram_cost <= direct_cost else "direct")
+
+
 def inner(a: Use, b: Use, n: int, shape: tuple[int, int], form: str = "auto") -> torch.Tensor:
     """<G_i^a, G_i^b> for every example i, (n,). ``form``: ``gram``, ``direct`` (materialise) or
     ``auto`` (the one with fewer operations; a Direct use is always materialised). The Gram form costs
@@ -162,11 +171,65 @@ def inner(a: Use, b: Use, n: int, shape: tuple[int, int], form: str = "auto") ->
     if isinstance(a, Outer) and isinstance(b, Outer):
         if a.index and not b.index:  # the dense one first: the (T, S) products in its tokens' order
             a, b = b, a
-        gram_cost = a.tokens * b.tokens * (shape[1] if (a.index or b.index) else shape[0] + shape[1])
-        direct_cost = (a.tokens + (0 if b is a else b.tokens)) * shape[0] * shape[1]
-        if form == "gram" or (form == "auto" and gram_cost <= direct_cost):
+        if _form(a, b, shape, form) == "gram":
             return _gram(a, b)
     return _materialised(a, b, n, shape)
+
+
+def stack_key(use: Use, shape: tuple[int, int], form: str) -> tuple | None:
+    """Uses of different parameters that one batched computation can serve (the same layer shape in
+    every block: each block's query projection, each LayerNorm's weight): a dense left factor covering
+    all its parameter's rows, or a per-token vector, keyed by kind, form, shapes, dtypes and device.
+    None for the rest (lookups, blocks of rows, whole per-example gradients), served one by one."""
+    if isinstance(use, Outer) and not use.index and use.span == (0, use.rows):
+        return ("outer", _form(use, use, shape, form), tuple(use.left.shape), tuple(use.right.shape),
+                use.left.dtype, use.right.dtype, use.left.device)
+    if isinstance(use, Direct) and use.tokens is not None:
+        return ("tokens", tuple(use.tokens.shape), use.tokens.dtype, use.tokens.device)
+    return None
+
+
+@dataclass
+class Stack:
+    """k uses of one ``stack_key``, their factors stacked once along a new first dimension: the
+    squared norms of all k per-example gradients and their k clipped sums, each in a few batched
+    operations instead of a few per layer (on a GPU each operation is a kernel launch)."""
+    uses: list
+    kind: str
+    form: str = "gram"
+    left: torch.Tensor | None = None  # (k, n, T, W)
+    right: torch.Tensor | None = None  # (k, n, T, Q)
+    per: torch.Tensor | None = None  # "tokens": each example's gradient, (k, n, Q)
+
+    @classmethod
+    def of(cls, uses: list, key: tuple) -> "Stack":
+        if key[0] == "outer":
+            return cls(uses, "outer", key[1], torch.stack([u.left for u in uses]), torch.stack([u.right for u in uses]))
+        return cls(uses, "tokens", per=torch.stack([u.tokens for u in uses]).sum(2))
+
+    def sq_norms(self) -> torch.Tensor:
+        """(k, n): each use's per-example squared gradient norm."""
+        if self.kind == "tokens":
+            return self.per.pow(2).sum(-1)
+        if self.form == "gram":
+            return ((self.left @ self.left.transpose(-1, -2)) * (self.right @ self.right.transpose(-1, -2))).sum((-1, -2))
+        k, n = self.left.shape[:2]
+        if k * n * self.left.shape[-1] * self.right.shape[-1] > CHUNK_FLOATS:  # materialised a use at a time
+            return torch.stack([inner(u, u, n, (u.rows, self.right.shape[-1]), "direct") for u in self.uses])
+        return (self.left.transpose(-1, -2) @ self.right).pow(2).sum((-1, -2))
+
+    def weighted_sums(self, c: torch.Tensor) -> torch.Tensor:
+        """(k, P, Q): each use's sum_i c_i G_i, the narrower factor weighted."""
+        if self.kind == "tokens":
+            return torch.einsum("n,knq->kq", c.to(self.per.dtype), self.per).unsqueeze(1)
+        left, right = self.left.to(self.right.dtype), self.right
+        k, n, T = right.shape[:3]
+        scale = c.to(right.dtype).view(1, -1, 1, 1)
+        if right.shape[-1] <= left.shape[-1]:
+            right = scale * right
+        else:
+            left = scale * left
+        return left.reshape(k, n * T, -1).transpose(1, 2) @ right.reshape(k, n * T, -1)
 
 
 def merged(found: list[Use]) -> list[Use]:

@@ -65,16 +65,17 @@ class OneBranchPhantom(PhantomClipping):
     Phantom Clipping with fastDP's shared-embedding bug. A parameter used in two ways (the tied item
     table's lookup and scores) gets the norm of its first use only, so the item table's per-user
     norm is ||grad_in|| instead of ||grad_in + grad_out||; the clipped sum is still sum_i c_i g_i of
-    the true gradients, with the too large c_i. Its self-check is off (it would refuse the bug)."""
+    the true gradients, with the too large c_i. The guard does not see it: every use is recorded, the
+    bug is in the norm's arithmetic."""
 
     def __init__(self, model, clip):
         super().__init__(model, C=float(clip.C), rule=str(clip.rule), gamma=float(clip.gamma),
                          sum_by=str(clip.get("sum_by", "bookkeeping")), form=str(clip.get("norm_form", "auto")))
 
-    def _sq_norms(self, uses, n):
+    def _sq_norms(self, uses, n, stacks=None):
         def one(found):  # the lookup (an index use) where there is one: the input branch
             return [u for u in found if getattr(u, "index", False)][:1] or found[:1]
-        return super()._sq_norms({pid: one(found) for pid, found in uses.items()}, n)
+        return super()._sq_norms({pid: one(found) for pid, found in uses.items()}, n)  # its own stacks
 
 
 def claim(cfg: DictConfig, n_users: int) -> tuple[float, float, float]:
