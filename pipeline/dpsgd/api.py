@@ -75,6 +75,9 @@ class DPSGD:
         for value, key in ((batch_size, "batch_size"), (epochs, "epochs")):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{key} must be a positive integer, got {value!r}")
+        if max_physical_batch is not None and (isinstance(max_physical_batch, bool) or not isinstance(max_physical_batch, int)
+                                               or max_physical_batch < 1):
+            raise ValueError(f"max_physical_batch must be None or a positive integer, got {max_physical_batch!r}")
         if batch_size > n:
             raise ValueError(f"batch_size = {batch_size} is more than the {n} examples of data")
         if not 0 < C < math.inf:
@@ -97,7 +100,8 @@ class DPSGD:
         noise = torch.Generator().manual_seed(int(seed) + 1)
         self.trainer = Trainer(model, _engine(engine, model, C), loss_fn, take, self.plan, C=C, optimizer=optimizer,
                                schedule=sched, sampling=sampling, noise=noise, max_physical_batch=max_physical_batch)
-        self.key = {"plan": self.plan.as_params(), "max_physical_batch": max_physical_batch, "seed": int(seed)}
+        plain = {k: float(v) if isinstance(v, float) else v for k, v in self.plan.as_params().items()}  # not numpy's
+        self.key = {"plan": plain, "max_physical_batch": max_physical_batch, "seed": int(seed)}
 
     @property
     def steps_done(self) -> int:
