@@ -190,7 +190,7 @@ def worker(engine: str, model_name: str, B: int, L: int, M: int, repeats: int, t
     sigma = 0.0 if engine == "none" else 1.0
 
     def step():
-        train.noisy_gradient(eng, model, rows[:, :-1], rows[:, 1:], sigma=sigma, C=1.0, expected_batch=B,
+        train.dp_gradient(eng, model, rows[:, :-1], rows[:, 1:], sigma=sigma, C=1.0, expected_batch=B,
                              generator=noise_gen)
         opt.step()
         device.synchronize(dev)

@@ -3,8 +3,8 @@ folder, headed by a SHA-256 digest of its bytes (a damaged, truncated or foreign
 resumed from), matched against a key (the config's digest, the code's, the data's, the device
 kind) before it is. What the state holds is the task's (its model, optimizer, schedule,
 generators, history, accountant); this module only keeps it safe. The language model's training
-uses it (``pipeline/lm/train.py``); DPFormer's ``pipeline/seqrec/checkpoint.py`` holds the same
-file format, to move onto this module with its next rebuild.
+(``pipeline/lm/train.py``), DPFormer's (``pipeline/seqrec/checkpoint.py``) and the public DP-SGD
+trainer (``pipeline.dpsgd.DPSGD``) use it; the state they save is ``pipeline.dpsgd.Trainer.state_dict``'s.
 """
 
 from __future__ import annotations

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from pipeline.canaries import DiracCanaries
+from pipeline.dpsgd import noise as dp_noise
 from pipeline.lm import audit, examples, models
 
 EOS = 0
@@ -115,16 +116,16 @@ def test_an_audited_run_killed_and_resumed_scores_its_canaries_as_an_uninterrupt
     assert np.array_equal(resumed.reveal(), whole.reveal())
 
     # the control's defect, by hand: epoch 2's checkpoint with the noise generator's first state
-    state["noise"] = torch.Generator().manual_seed(streams.seed_of(3, "noise")).get_state()
+    state["dpsgd"]["noise"] = torch.Generator().manual_seed(streams.seed_of(3, "noise")).get_state()
     checkpoints.save(path, state)
     draws = []
-    real = train.add_noise
+    real = dp_noise.add_noise  # the shared trainer's (pipeline.dpsgd)
 
-    def recorded(model, sigma, C, generator):  # the state each step's noise is drawn from
+    def recorded(params, sigma, C, generator, rounding):  # the state each step's noise is drawn from
         draws.append(generator.get_state().clone())
-        real(model, sigma, C, generator)
+        real(params, sigma, C, generator, rounding)
 
-    train.add_noise = recorded
+    dp_noise.add_noise = recorded
     try:
         model = build()
         replayed = canaries(model)
@@ -133,7 +134,7 @@ def test_an_audited_run_killed_and_resumed_scores_its_canaries_as_an_uninterrupt
         draws.clear()
         train.run(build(), rows, mask, pl, **kw)  # an uninterrupted run's first half
     finally:
-        train.add_noise = real
+        dp_noise.add_noise = real
     half = pl.steps // 2
     assert len(resumed_draws) == half and all(torch.equal(a, b) for a, b in zip(resumed_draws, draws[:half]))
     assert np.array_equal(replayed.sampled, whole.sampled) and not np.allclose(replayed.scores(), whole.scores())

@@ -54,12 +54,13 @@ def test_against_adam_on_pure_noise(steps, lr, noise_std):
 def _twins(cfg_for, eps, seeds=(101, 202, 303)):
     """Trainings of the vanilla Transformer on the CI data, identical (initialisation, Poisson
     samples) but for the DP noise draws; their parameters and the run's plan."""
+    from pipeline.dpsgd import noise as dp_noise
     from pipeline.seqrec import data
 
     cfg = cfg_for("experiment=dpformer_ci", "model=transformer", "seqrec.epochs=10", f"privacy.eps={eps}")
     seqs = data.load(cfg.dataset, int(cfg.dataset.L), 0)
     plan = train.plan(cfg, seqs.n_users)
-    original = train.noisy_gradient
+    original = dp_noise.noisy_gradient  # the shared trainer's (pipeline.dpsgd): one generator samples and noises
     params = []
     try:
         for seed in seeds:
@@ -68,11 +69,11 @@ def _twins(cfg_for, eps, seeds=(101, 202, 303)):
             def only_the_noise_differs(*args, generator=None, noise=noise, **kw):
                 return original(*args, generator=noise, **kw)
 
-            train.noisy_gradient = only_the_noise_differs
+            dp_noise.noisy_gradient = only_the_noise_differs
             model, _ = train.run(seqs, cfg, plan)
             params.append({n: p.detach().clone() for n, p in model.named_parameters()})
     finally:
-        train.noisy_gradient = original
+        dp_noise.noisy_gradient = original
     return params, plan, cfg, seqs
 
 

@@ -124,7 +124,7 @@ def test_audit_noise_is_the_training_steps_noise(setup):
     engine = _FixedSum(model, S)
     ref = np.empty(runs)
     for r in range(runs):
-        train.noisy_gradient(engine, model, D[:, :-1], D[:, 1:], sigma=sigma, C=C, expected_batch=B, generator=gen)
+        train.dp_gradient(engine, model, D[:, :-1], D[:, 1:], sigma=sigma, C=C, expected_batch=B, generator=gen)
         ref[r] = float(B * torch.cat([p.grad.flatten() for p in model.parameters()]) @ u)
     ours = seqaudit.releases(S, u, std=sigma * C, runs=runs, chunk=1000, seed=0, stream="test")
     assert ks_2samp(ours, ref).pvalue > 1e-3

@@ -47,7 +47,7 @@ def test_canaries_join_the_clipped_sum_before_the_noise_and_change_nothing_else(
         engine = clipping.make("phantom", model, cfg.clipping)
         made = canaries(model) if canaries else None
         gen = torch.Generator().manual_seed(seed)
-        train.noisy_gradient(engine, model, rows[:, :-1], rows[:, 1:], sigma=0.7, C=1.0, expected_batch=5,
+        train.dp_gradient(engine, model, rows[:, :-1], rows[:, 1:], sigma=0.7, C=1.0, expected_batch=5,
                              generator=gen, canaries=made)
         return [p.grad.clone() for p in model.parameters()], gen.get_state(), made
 

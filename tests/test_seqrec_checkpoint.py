@@ -66,19 +66,23 @@ def test_a_stopped_run_resumes_to_the_uninterrupted_numbers(cfg_for, tmp_path, m
 def test_a_checkpoint_the_disk_cannot_hold_leaves_no_temporary_file(tmp_path, monkeypatch):
     """A full disk while saving: the error goes up (the run ends FAILED), the earlier checkpoint
     stays whole, and no checkpoint.<pid>.tmp is left in the run's folder."""
+    from pipeline import checkpoints, dpsgd
+
     model = torch.nn.Linear(3, 2)
-    opt = torch.optim.Adam(model.parameters())
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+    opt, sched = dpsgd.adam(model, lr=1e-3, weight_decay=0.0, steps=4, warmup=0.5)
+    plan = dpsgd.plan(n=8, batch_size=2, epochs=1, eps=1.0, delta=1e-5, private=False)
+    trainer = dpsgd.Trainer(model, dpsgd.NonPrivate(model), lambda m, b: m(b).sum(1), lambda i: torch.ones(len(i), 3),
+                            plan, C=1.0, optimizer=opt, schedule=sched, sampling=torch.Generator())
     history = train.History()
     path = tmp_path / checkpoint.NAME
-    save = dict(key={"k": 1}, model=model, opt=opt, sched=sched, gen=torch.Generator(), history=history, accountant={})
+    save = dict(key={"k": 1}, trainer=trainer, history=history)
     checkpoint.save(path, epoch=1, **save)
     before = path.read_bytes()
 
     def full(src, dst):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(src))
 
-    monkeypatch.setattr(checkpoint.os, "replace", full)
+    monkeypatch.setattr(checkpoints.os, "replace", full)
     with pytest.raises(OSError, match="No space left"):
         checkpoint.save(path, epoch=2, **save)
     assert sorted(p.name for p in tmp_path.iterdir()) == [checkpoint.NAME] and path.read_bytes() == before

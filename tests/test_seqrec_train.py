@@ -7,6 +7,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
+from pipeline import dpsgd
 from pipeline.seqrec import clipping, train
 from test_seqrec_clipping import IDS, TARGETS, brute_force, build, clip_cfg, flat_grad
 
@@ -52,7 +53,7 @@ def test_one_dp_step_phantom_equals_per_sample(arch, tied):
     for engine in ("phantom", "per_sample"):
         model = build(arch, tied)
         eng = clipping.make(engine, model, clip_cfg("automatic", C=1.0))
-        train.noisy_gradient(eng, model, IDS, TARGETS, sigma=0.7, C=1.0, expected_batch=4,
+        train.dp_gradient(eng, model, IDS, TARGETS, sigma=0.7, C=1.0, expected_batch=4,
                              generator=torch.Generator().manual_seed(3))
         grads[engine] = flat_grad(model)
     torch.testing.assert_close(grads["phantom"], grads["per_sample"], rtol=1e-6, atol=1e-12)
@@ -63,7 +64,7 @@ def test_noisy_gradient_is_clipped_sum_plus_noise_over_B():
     per_user = brute_force(model)
     eng = clipping.make("phantom", model, clip_cfg("automatic", C=1.0))
     sigma, B = 0.9, 4
-    train.noisy_gradient(eng, model, IDS, TARGETS, sigma=sigma, C=1.0, expected_batch=B,
+    train.dp_gradient(eng, model, IDS, TARGETS, sigma=sigma, C=1.0, expected_batch=B,
                          generator=torch.Generator().manual_seed(5))
     got = flat_grad(model)
     c = 1.0 / (per_user.norm(dim=1) + 0.01)
@@ -75,7 +76,7 @@ def test_noisy_gradient_is_clipped_sum_plus_noise_over_B():
 def test_an_empty_poisson_sample_gets_noise_only():
     model = build("transformer", True)
     eng = clipping.make("phantom", model, clip_cfg())
-    losses, _ = train.noisy_gradient(eng, model, IDS[:0], TARGETS[:0], sigma=2.0, C=0.5, expected_batch=10,
+    losses, _ = train.dp_gradient(eng, model, IDS[:0], TARGETS[:0], sigma=2.0, C=0.5, expected_batch=10,
                                      generator=torch.Generator().manual_seed(0))
     assert losses.shape == (0,)
     g = flat_grad(model)
@@ -89,14 +90,15 @@ def test_schedule_warms_up_then_decays_to_zero():
     assert all(f(s) >= f(s + 1) for s in range(20, 100))
 
 
-def test_an_empty_poisson_sample_returns_its_empties_on_the_rows_device():
-    """The step's check (``finite_step``) stacks the loss's with the gradients' on their device: an
-    empty sample's losses must be on the rows' device (they were made on the CPU, which a CUDA
+def test_an_empty_poisson_sample_returns_its_empties_on_the_parameters_device():
+    """The step's check (``dpsgd.finite_step``) stacks the loss's with the gradients' on their device: an
+    empty sample's losses must be on the parameters' device (they were made on the CPU, which a CUDA
     run's check could not stack). The meta device stands in for a GPU here."""
     model = build("transformer", True)
     eng = clipping.make("phantom", model, clip_cfg())
-    losses, norms = train.noisy_gradient(eng, model, IDS[:0].to("meta"), TARGETS[:0].to("meta"), sigma=0.0, C=0.5,
-                                         expected_batch=10, generator=None)
+    model.to("meta")
+    losses, norms = train.dp_gradient(eng, model, IDS[:0].to("meta"), TARGETS[:0].to("meta"), sigma=0.0, C=0.5,
+                                      expected_batch=10, generator=None)
     assert losses.device.type == "meta" and norms.device.type == "meta"
 
 
@@ -104,6 +106,6 @@ def test_an_empty_poisson_sample_returns_its_empties_on_the_rows_device():
 def test_an_empty_poisson_sample_on_cuda_passes_the_step_check():
     model = build("transformer", True).cuda()
     eng = clipping.make("phantom", model, clip_cfg())
-    losses, _ = train.noisy_gradient(eng, model, IDS[:0].cuda(), TARGETS[:0].cuda(), sigma=2.0, C=0.5,
+    losses, _ = train.dp_gradient(eng, model, IDS[:0].cuda(), TARGETS[:0].cuda(), sigma=2.0, C=0.5,
                                      expected_batch=10, generator=torch.Generator(device="cuda").manual_seed(0))
-    assert train.finite_step(losses.sum(), model)
+    assert dpsgd.finite_step(losses.sum(), list(model.parameters()))

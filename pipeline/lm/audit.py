@@ -86,7 +86,7 @@ def _train(build_model: Callable[[], torch.nn.Module], rows, mask, used: train.P
         except _Killed:
             pass
         state = checkpoints.load(path, key)
-        state["noise"] = torch.Generator().manual_seed(streams.seed_of(seed, "noise")).get_state()  # the defect
+        state["dpsgd"]["noise"] = torch.Generator().manual_seed(streams.seed_of(seed, "noise")).get_state()  # the defect
         checkpoints.save(path, state)
         model = build_model()
         dirac = make_canaries(model) if make_canaries is not None else None

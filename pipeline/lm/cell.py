@@ -80,7 +80,7 @@ def run(cfg: DictConfig, s: config.Settings) -> Path:
             "tied": s.tied, "clipping": s.engine, "C": s.C, "eps": s.eps, "delta": s.delta, "lr": s.lr,
             "epochs": s.epochs, "accountant": s.accountant, "batch_size": run_plan.batch_size,
             "sample_rate": run_plan.sample_rate, "steps": run_plan.steps, "sigma": run_plan.sigma,
-            "eps_spent": run_plan.spent_eps, "vocab_eps": run_plan.vocab_eps, "vocab_delta": run_plan.vocab_delta,
+            "eps_spent": run_plan.eps_spent, "vocab_eps": run_plan.vocab_eps, "vocab_delta": run_plan.vocab_delta,
             "d": s.d, "layers": s.layers, "heads": s.heads})
         tracking.log_params("compute", {"device": str(dev), "device_name": device.name(dev), "tf32": cfg.compute.tf32})
         tracking.log_metrics("data", {"seconds": data_seconds})
@@ -112,7 +112,8 @@ def run(cfg: DictConfig, s: config.Settings) -> Path:
                "data_hash": checkpoints.tensors_hash(prep.rows, prep.mask, *prep.splits["valid"], *prep.splits["test"])}
         history = train.run(model, prep.rows, prep.mask, run_plan, engine=s.engine, C=s.C, lr=s.lr, warmup=s.warmup,
                             weight_decay=s.weight_decay, seed=s.seed, validate=validate, on_epoch=on_epoch,
-                            checkpoint=saved, resume=resume, key=key, validate_every=s.validate_every)
+                            checkpoint=saved, resume=resume, key=key, validate_every=s.validate_every,
+                            max_physical_batch=s.max_physical_batch)
         device.synchronize(dev)
         seconds = time.perf_counter() - t0
         epochs = len(history.loss)
@@ -129,7 +130,7 @@ def run(cfg: DictConfig, s: config.Settings) -> Path:
             tracking.log_metrics("compute", {"peak_memory_gb": peak})
         results = pd.DataFrame([{
             "task": "lm", "dataset": cfg.dataset.name, "tying": tying(s), "vocab": s.vocab_kind, "clipping": s.engine,
-            "eps": float(s.eps), "eps_spent": run_plan.spent_eps, "delta": s.delta, "sigma": run_plan.sigma,
+            "eps": float(s.eps), "eps_spent": run_plan.eps_spent, "delta": s.delta, "sigma": run_plan.sigma,
             "batch_size": run_plan.batch_size, "C": s.C, "lr": s.lr, "epochs": s.epochs, "L": s.L, "d": s.d, "layers": s.layers,
             "V": prep.V, "seed": s.seed, **row} for row in rows])
         test = next(r for r in rows if r["method"] == "lm" and r["split"] == "test")
@@ -151,7 +152,7 @@ def run(cfg: DictConfig, s: config.Settings) -> Path:
                                       "seconds_per_epoch": seconds / max(epochs, 1), "peak_memory_gb": peak})
     checkpoints.remove(saved)  # FINISHED: the results stay, the optimizer state goes
     shown = results[["method", "split", "perplexity", "accuracy"]].to_string(index=False, float_format="%.3f")
-    log.info("%s (V = %d, sigma = %.4g, eps spent = %.4g)\n%s", name, prep.V, run_plan.sigma, run_plan.spent_eps, shown)
+    log.info("%s (V = %d, sigma = %.4g, eps spent = %.4g)\n%s", name, prep.V, run_plan.sigma, run_plan.eps_spent, shown)
     log.info("wrote %s, %s, %s; MLflow run %s: %s", csv, curves, fig, active.info.run_id,
              tracking.ui_address(cfg, active.info.run_id))
     line = progress(job.sweep)

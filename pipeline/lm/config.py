@@ -13,8 +13,11 @@ The keys (``conf/lm/``'s groups and ``conf/lm/experiment/lm_cpu.yaml``, where ea
 - ``model``: ``d``, ``layers``, ``heads``, ``tied``, ``dropout``;
 - ``clipping``: ``name`` (phantom, per_sample, ghost, none), ``C``;
 - ``train``: ``batch_size``, ``epochs``, ``lr``, ``warmup``, ``weight_decay``, ``accountant``,
-  ``eval_batch``, ``validate_every``, ``threads``, ``checkpoint``;
+  ``max_physical_batch``, ``eval_batch``, ``validate_every``, ``threads``, ``checkpoint``;
 - ``privacy``: ``eps``, ``delta`` (the run's whole budget, the vocabulary's share included).
+
+A budget DP-SGD's accountant cannot reach with the run's sampling rate and steps is refused here
+(``pipeline.dpsgd.check``), before the posts are prepared and before any folder or run.
 """
 
 from __future__ import annotations
@@ -25,10 +28,11 @@ from dataclasses import dataclass
 from omegaconf import DictConfig
 
 from pipeline import validation
+from pipeline.dpsgd import planning
 from pipeline.lm import engines, vocab
 from pipeline.validation import ConfigError
 
-ACCOUNTANTS = ("rdp", "prv")
+ACCOUNTANTS = planning.ACCOUNTANTS
 MIN_VOCAB = 257  # the 256 bytes and the end-of-text token: below this BPE cannot encode every text
 MAX_VOCAB = 50257  # GPT-2's vocabulary, the issue's largest
 
@@ -57,6 +61,7 @@ class Settings:
     warmup: float
     weight_decay: float
     accountant: str
+    max_physical_batch: int | None
     eval_batch: int
     validate_every: int
     threads: int | None
@@ -125,6 +130,8 @@ def settings(cfg: DictConfig) -> Settings:
     if weight_decay < 0:
         raise ConfigError(f"train.weight_decay must be >= 0, got {tr.weight_decay!r}")
     accountant = _choice(tr.accountant, "train.accountant", ACCOUNTANTS)
+    chunk = tr.get("max_physical_batch")
+    chunk = None if chunk is None else validation.positive_int(chunk, "train.max_physical_batch")
     eval_batch = validation.positive_int(tr.get("eval_batch", 64), "train.eval_batch")
     validate_every = validation.positive_int(tr.get("validate_every", 1), "train.validate_every")
     threads = validation.threads(tr.get("threads"), "train.threads")
@@ -142,8 +149,21 @@ def settings(cfg: DictConfig) -> Settings:
                           "promises a guarantee: use privacy.eps=inf for the non-private run")
     delta = _unit(pr.delta, "privacy.delta", closed_low=False)
     return Settings(ds.archive, valid_fraction, posts, eval_posts, L, kind, size, share, max_pieces, d, layers, heads,
-                    m.tied, dropout, engine, C, batch_size, epochs, lr, warmup, weight_decay, accountant, eval_batch,
+                    m.tied, dropout, engine, C, batch_size, epochs, lr, warmup, weight_decay, accountant, chunk, eval_batch,
                     validate_every, threads, checkpoint, eps, delta, validation.seed(cfg.seed))
+
+
+PLAN_KEYS = {"eps": "privacy.eps", "delta": "privacy.delta", "batch_size": "train.batch_size",
+             "epochs": "train.epochs", "accountant": "train.accountant"}
+
+
+def calibrates(s: Settings, posts: int) -> None:
+    """Refuse (one ``error:`` line naming the key and value) a budget whose DP-SGD share the accountant
+    cannot reach at q = B / posts over the run's steps (``pipeline.dpsgd.check``: the plan the run makes)."""
+    if s.engine == "none":
+        return
+    planning.check(eps=s.eps, delta=s.delta, n=posts, batch_size=s.batch_size, epochs=s.epochs,
+                   accountant=s.accountant, share=s.vocab_share, keys=PLAN_KEYS)
 
 
 def validate(cfg: DictConfig) -> Settings:
@@ -153,6 +173,8 @@ def validate(cfg: DictConfig) -> Settings:
     from pipeline.lm import data, streams
 
     s = settings(cfg)
+    if s.posts is not None:  # the training set's size is known: the budget is checked before the archive is read
+        calibrates(s, s.posts)
     path = data.resolve(s.archive)
     if (why := validation.not_a_file(path)) is not None:
         raise ConfigError(f"dataset.archive = {s.archive!r}: {why}")
@@ -166,6 +188,8 @@ def validate(cfg: DictConfig) -> Settings:
         raise ConfigError(f"dataset.posts = {s.posts} is more than the {train} training posts of {s.archive!r}")
     if s.batch_size > (s.posts or train):
         raise ConfigError(f"train.batch_size = {s.batch_size} is more than the {s.posts or train} training posts")
+    if s.posts is None:  # every training post: their count is the archive's
+        calibrates(s, train)
     # a public vocabulary only: the bound is read from the posts, which a private vocabulary may not do outside its
     # mechanism (a private selection that releases fewer pieces gives a smaller vocabulary, logged as data.vocab_size)
     most = None if s.vocab_kind == "private" else vocab.reachable(posts[: s.posts] if s.posts else posts, s.vocab_size)

@@ -1,7 +1,7 @@
 """The clipping engines of the language-model task: each leaves the clipped sum sum_i c_i g_i of
 the sampled posts' gradients in ``p.grad`` (c_i = min(1, C / ||g_i||), so ||c_i g_i|| <= C) and
-returns the per-post losses and gradient norms. Noise is added by the training step
-(``train.add_noise``), the same draw whatever the engine.
+returns the per-post losses and gradient norms. Noise is added by the shared trainer
+(``pipeline.dpsgd.add_noise``), the same draw whatever the engine.
 
 - ``phantom``: the shared engine (``pipeline.clipping.PhantomClipping``), tied or untied, exact,
   without per-post gradients;
@@ -10,7 +10,7 @@ returns the per-post losses and gradient norms. Noise is added by the training s
   reference;
 - ``ghost``: Opacus's fast gradient clipping (``pipeline.clipping.opacus.Ghost``), untied models
   only (it refuses a parameter used twice: refused here by name, before any compute);
-- ``none``: the plain sum, no clipping (the non-private baseline).
+- ``none``: the plain sum, no clipping (the non-private baseline, ``pipeline.dpsgd.NonPrivate``).
 """
 
 from __future__ import annotations
@@ -31,32 +31,17 @@ def refusal(name: str, model) -> str | None:
 
 
 class Bound:
-    """A shared engine (``pipeline.clipping``) with the task's per-post loss bound in."""
-
-    private = True
+    """A shared engine (``pipeline.clipping``, or ``pipeline.dpsgd.NonPrivate``) with the task's per-post
+    loss bound in; the trainer takes its ``engine`` with ``examples.example_losses``."""
 
     def __init__(self, engine):
         self.engine = engine
+        self.private = bool(getattr(engine, "private", True))
 
     def step(self, batch):
         from pipeline.lm.examples import example_losses
 
         return self.engine.step(example_losses, batch)
-
-
-class NonPrivate:
-    private = False
-
-    def __init__(self, model, C: float):
-        self.model = model
-
-    def step(self, batch):
-        from pipeline.lm.examples import example_losses
-
-        self.model.zero_grad(set_to_none=True)
-        losses = example_losses(self.model, batch)
-        losses.sum().backward()
-        return losses.detach(), None
 
 
 def make(name: str, model, C: float):
@@ -65,7 +50,9 @@ def make(name: str, model, C: float):
     if why is not None:
         raise ValueError(why)
     if name == "none":
-        return NonPrivate(model, C)
+        from pipeline.dpsgd import NonPrivate
+
+        return Bound(NonPrivate(model))
     from pipeline.clipping import PhantomClipping, opacus
 
     return Bound({"phantom": PhantomClipping, "per_sample": opacus.PerSample, "ghost": opacus.Ghost}[name](model, C))

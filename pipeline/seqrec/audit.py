@@ -2,7 +2,7 @@
 experiment=dpformer_ci`` (any config with ``task: seqrec``; ``pipeline/audit.py`` hands it here).
 
 What is audited. One DP-SGD step on a fixed batch of users releases S(D) + sigma C N(0, I), with
-S(D) = sum_i c_i g_i the clipping engine's clipped sum (``train.noisy_gradient``; dividing by the
+S(D) = sum_i c_i g_i the clipping engine's clipped sum (``train.dp_gradient``; dividing by the
 expected batch size B is post-processing and left out). With every ||c_i g_i|| <= C the step is the
 Gaussian mechanism of sensitivity C (add or remove one user), so it is (eps, delta)-DP exactly when
 sigma is at least the analytic Gaussian multiplier of (eps, delta) (Balle and Wang;
@@ -143,10 +143,10 @@ def model_for(cfg: DictConfig, seqs: data.Sequences, dtype) -> torch.nn.Module:
 
 def clipped_sum(variant: str, cfg: DictConfig, seqs: data.Sequences, rows: torch.Tensor, dtype) -> torch.Tensor:
     """S = sum_i c_i g_i over ``rows``, flattened over the trainable parameters, from the engine
-    through ``train.noisy_gradient`` without noise (and B = 1), on a fresh ``model_for``."""
+    through ``train.dp_gradient`` without noise (and B = 1), on a fresh ``model_for``."""
     model = model_for(cfg, seqs, dtype)
     engine = engine_for(variant, model, cfg)
-    train.noisy_gradient(engine, model, rows[:, :-1], rows[:, 1:], sigma=0.0, C=float(cfg.clipping.C),
+    train.dp_gradient(engine, model, rows[:, :-1], rows[:, 1:], sigma=0.0, C=float(cfg.clipping.C),
                          expected_batch=1, generator=None)
     return torch.cat([p.grad.flatten() for p in model.parameters() if p.requires_grad]).detach()
 

@@ -7,7 +7,7 @@ The variants, the scoring, the power and the record are shared (``pipeline/run_a
 module supplies the training and the canaries:
 
 - ``dirac``: white-box canaries (``pipeline.canaries.DiracCanaries``), each a parameter
-  coordinate, added to the clipped sum (``train.noisy_gradient``) and scored by its coordinate of
+  coordinate, added to the clipped sum (``pipeline.dpsgd.noisy_gradient``) and scored by its coordinate of
   the sum of the noisy sums;
 - ``input``: m canary users, each L + 1 items drawn uniformly (unique content), included in the
   training rows with probability 1/2 and scored by minus their loss under the final model (what an
@@ -94,7 +94,7 @@ def _train(seqs, cfg: DictConfig, used, *, variant: str, dirac_m: int | None, en
             pass
         key = checkpoints.key("audit", torch.device("cpu"), seqs)
         state = checkpoints.load(path, key)
-        state["generator"] = torch.Generator().manual_seed(int(cfg.seed) + 1).get_state()  # the defect
+        state["dpsgd"]["noise"] = torch.Generator().manual_seed(int(cfg.seed) + 1).get_state()  # the defect
         checkpoints.write(path, state)
         model, _ = train.run(seqs, cfg, used, checkpoint=path, resume=True, digest="audit", **kw)
     return model, made[-1] if made else None

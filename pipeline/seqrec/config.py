@@ -8,16 +8,16 @@ from __future__ import annotations
 
 import math
 import re
-from functools import lru_cache
 
 from omegaconf import DictConfig, ListConfig
 
 from pipeline import validation
+from pipeline.dpsgd import planning
 from pipeline.validation import ConfigError
 from pipeline.seqrec import clipping, data, distraction, memory, models, reattention, synthetic, train
 from pipeline.clipping.engine import CHECKS, FORMS as MODES, SUM_BY
 
-ACCOUNTANTS = ("rdp", "prv")  # Opacus accountants that calibrate DP-SGD's noise
+ACCOUNTANTS = planning.ACCOUNTANTS  # Opacus accountants that calibrate DP-SGD's noise
 
 
 def _int(value, key: str, low: int) -> int:
@@ -115,6 +115,8 @@ def validate(cfg: DictConfig) -> None:
     _num(t.weight_decay, "seqrec.weight_decay", 0.0, low_open=False)
     _num(t.warmup, "seqrec.warmup", 0.0, 1.0, low_open=False)
     _choice(t.accountant, "seqrec.accountant", ACCOUNTANTS)
+    if t.get("max_physical_batch") is not None:
+        _int(t.max_physical_batch, "seqrec.max_physical_batch", 1)
     _int(t.eval_every, "seqrec.eval_every", 1)
     _int(t.eval_batch, "seqrec.eval_batch", 1)
     _int(t.k, "seqrec.k", 1)
@@ -180,29 +182,18 @@ def _distraction(cfg: DictConfig) -> None:
                           f"head: those above b), got {buckets!r}")
 
 
-@lru_cache(maxsize=256)
-def _calibration(eps: float, delta: float, batch_size: int, users: int, epochs: int, accountant: str,
-                 share: float) -> str | None:
-    """None if DP-SGD's noise multiplier can be calibrated for these settings, else the reason."""
-    cfg = DictConfig({"privacy": {"eps": eps, "delta": delta}, "clipping": {"name": "phantom"},
-                      "seqrec": {"batch_size": batch_size, "epochs": epochs, "accountant": accountant},
-                      "model": {"reattention": {"presence": "private", "eps_share": share}} if share else {}})
-    try:
-        train.plan(cfg, users)
-    except ValueError as err:
-        return str(err).strip().rstrip(".")
-    return None
+PLAN_KEYS = {"delta": "privacy.delta", "batch_size": "seqrec.batch_size", "epochs": "seqrec.epochs",
+             "accountant": "seqrec.accountant"}
 
 
 def _calibrates(cfg: DictConfig, eps: float, key: str) -> None:
     """Refuse an eps (of the config key ``key``) so small that no noise multiplier reaches it with
-    the run's other settings (Opacus's calibration fails)."""
+    the run's other settings: the plan the run makes (``pipeline.dpsgd.check``), before any data is
+    built, with Re-Attention's histogram's share taken off first."""
     if cfg.clipping.name == "none" or not math.isfinite(float(eps)):
         return
     share = reattention.histogram_share(cfg.model.get("reattention"))
     users, _ = memory.sizes(cfg.dataset)
-    why = _calibration(float(eps), float(cfg.privacy.delta), int(cfg.seqrec.batch_size), users,
-                       int(cfg.seqrec.epochs), str(cfg.seqrec.accountant), share)
-    if why is not None:
-        raise ConfigError(f"{key} = {eps!r} with privacy.delta = {cfg.privacy.delta!r} cannot be "
-                          f"reached by DP-SGD with these settings ({why}); raise {key} or privacy.delta")
+    planning.check(eps=float(eps), delta=float(cfg.privacy.delta), n=users, batch_size=int(cfg.seqrec.batch_size),
+                   epochs=int(cfg.seqrec.epochs), accountant=str(cfg.seqrec.accountant), share=share,
+                   keys={"eps": key, **PLAN_KEYS})

@@ -1,4 +1,5 @@
-"""The train step: DP-SGD (Eq. 3.1) over users, the privacy unit.
+"""The train step: DP-SGD (Eq. 3.1) over users, the privacy unit, on the shared trainer
+(``pipeline/dpsgd/``: plan, Poisson sampling, micro-batches, noise, checkpoint state).
 
 Each step draws a Poisson sample of users (each independently with probability q = B / n_users,
 as the accountant assumes), has the clipping engine leave sum_i c_i g_i in ``p.grad`` (c_i: the
@@ -9,11 +10,13 @@ to 0). sigma comes from Opacus's accountant for (eps, delta), q and the number o
 (``pipeline/privacy.py``); the run logs the eps that accountant gives for the noise it used.
 
 Non-private training: ``clipping=none`` (plain sum, no noise) or ``privacy.eps=inf`` (the chosen
-clipping, no noise).
+clipping, no noise). ``seqrec.max_physical_batch`` runs each logical batch in chunks of at most that
+many users (the same clipped sum, noise and update; null: one piece).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 from dataclasses import dataclass, field
@@ -26,38 +29,29 @@ import torch
 from omegaconf import OmegaConf
 from tqdm import tqdm
 
-from pipeline import privacy
-from pipeline.validation import RunFailed
+from pipeline import dpsgd, privacy
 from pipeline.seqrec import checkpoint as checkpoints
 from pipeline.seqrec import clipping, models, reattention
 
 log = logging.getLogger(__name__)
 
 
-@dataclass
-class Plan:
-    """The numbers a run is calibrated with."""
+@dataclass(frozen=True)
+class Plan(dpsgd.Plan):
+    """The numbers a run is calibrated with (``pipeline.dpsgd.Plan``), and Re-Attention's."""
 
-    n_users: int
-    batch_size: int  # expected (Poisson) batch size B
-    sample_rate: float  # q = B / n_users
-    steps_per_epoch: int
-    steps: int
-    sigma: float  # noise multiplier (0: no noise)
-    eps_spent: float  # what the accountant gives for sigma (inf without noise)
-    delta: float
-    private: bool
     presence_multiplier: float = 0.0  # model=dpformer, presence=private: the item histogram's noise multiplier
 
     def as_params(self) -> dict:
-        return {k: v for k, v in self.__dict__.items()}
+        return {"n_users": self.n, "batch_size": self.batch_size, "sample_rate": self.sample_rate,
+                "steps_per_epoch": self.steps_per_epoch, "steps": self.steps, "sigma": self.sigma,
+                "eps_spent": self.eps_spent, "delta": self.delta, "private": self.private,
+                "presence_multiplier": self.presence_multiplier}
 
 
-ADAM_BETAS = (0.9, 0.999)  # Adam's moment decays: torch's defaults (the paper, following SASRec, gives none)
-
-
-class Diverged(RunFailed):
-    """Training produced a non-finite loss or parameter: the run is FAILED, never FINISHED with NaN metrics."""
+ADAM_BETAS = dpsgd.ADAM_BETAS  # Adam's moment decays: torch's defaults (the paper, following SASRec, gives none)
+Diverged = dpsgd.Diverged  # a non-finite loss, gradient or parameter: the run ends FAILED
+schedule = dpsgd.schedule
 
 
 def model_name(cfg, ablations: bool = True) -> str:
@@ -110,80 +104,34 @@ def build(cfg, n_items: int, max_len: int) -> models.SeqModel:
 
 
 def plan(cfg, n_users: int) -> Plan:
-    """Sample rate, steps and the calibrated noise multiplier of the run ``cfg`` describes."""
+    """Sample rate, steps and the calibrated noise multiplier of the run ``cfg`` describes
+    (``pipeline.dpsgd.plan``; Re-Attention's private item histogram takes its share of (eps, delta)
+    first, by basic composition, with the analytic Gaussian mechanism)."""
     train = cfg.seqrec
-    B = min(int(train.batch_size), n_users)
-    q = B / n_users
-    per_epoch = max(1, round(n_users / B))  # Opacus's convention: one epoch = 1 / q steps
-    steps = int(train.epochs) * per_epoch
     eps, delta = float(cfg.privacy.eps), float(cfg.privacy.delta)
     private = cfg.clipping.name != "none"
     share = reattention.histogram_share(OmegaConf.select(cfg, "model.reattention"))
     z_hist = 0.0
-    if private and math.isfinite(eps):
-        if share:  # Re-Attention's private item histogram: its share of (eps, delta), basic composition
-            z_hist = privacy.gaussian_multiplier(eps=share * eps, delta=share * delta)
-        e, dl = (1 - share) * eps, (1 - share) * delta
-        sigma = privacy.dpsgd_noise_multiplier(eps=e, delta=dl, sample_rate=q, steps=steps,
-                                               accountant=train.accountant)
-        spent = privacy.dpsgd_spent_epsilon(sigma=sigma, delta=dl, sample_rate=q, steps=steps,
-                                            accountant=train.accountant) + share * eps
-    else:
-        sigma, spent = 0.0, math.inf
-    return Plan(n_users, B, q, per_epoch, steps, sigma, spent, delta, private, z_hist)
+    if private and math.isfinite(eps) and share:
+        z_hist = privacy.gaussian_multiplier(eps=share * eps, delta=share * delta)
+    found = dpsgd.plan(n=n_users, batch_size=int(train.batch_size), epochs=int(train.epochs), eps=eps, delta=delta,
+                       private=private, accountant=str(train.accountant), share=share if private else 0.0)
+    return Plan(**dataclasses.asdict(found), presence_multiplier=z_hist)
 
 
-def noisy_gradient(engine, model, ids, targets, *, sigma: float, C: float, expected_batch: int,
-                   generator: torch.Generator | None, canaries=None):
-    """One DP-SGD gradient (Eq. 3.1): (sum_i c_i g_i + sigma C N(0, I)) / B, left in ``p.grad``: the
-    one place where DP-SGD's noise is added (drawn from ``generator`` on the parameters' device, in
-    their dtype: float32 for every training run). Returns the per-user losses and norms (None for
-    the non-private engine). With ``canaries`` (``pipeline.canaries.DiracCanaries``: the whole-run
-    audit, ``pipeline/seqrec/audit_run.py``), the sampled included canaries join the clipped sum
-    before the noise, and the noisy sum is observed before the division by B."""
-    if ids.shape[0]:
-        losses, norms = engine.step(ids, targets)
-    else:  # an empty Poisson sample: the noise alone
-        model.zero_grad()
-        losses, norms = (torch.zeros(0, device=ids.device) for _ in range(2))  # where the step's checks run
-    if canaries is not None:
-        for p in model.parameters():
-            if p.requires_grad and p.grad is None:
-                p.grad = torch.zeros_like(p)
-        canaries.add()
-    for p in model.parameters():
-        if not p.requires_grad:
-            continue
-        g = torch.zeros_like(p) if p.grad is None else p.grad
-        if sigma > 0:
-            g = g + sigma * C * torch.randn(p.shape, generator=generator, dtype=p.dtype, device=p.device)
-        p.grad = g / expected_batch if canaries is None else g
-    if canaries is not None:
-        canaries.observe()
-        for p in model.parameters():
-            if p.requires_grad:
-                p.grad = p.grad / expected_batch
-    return losses, norms
+ROUNDING = "separate"  # how the noise joins the float32 sum (pipeline.dpsgd.add_noise): DPFormer's recorded arithmetic
 
 
-def finite_step(loss: torch.Tensor, model) -> bool:
-    """Whether the step's loss and every gradient DP-SGD left in ``p.grad`` are finite: one
-    reduction, the step's one device sync besides Poisson sampling's (its batch size)."""
-    checks = [torch.isfinite(loss)] + [torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None]
-    return bool(torch.stack(checks).all())
-
-
-def schedule(steps: int, warmup: float) -> Callable[[int], float]:
-    """Learning-rate factor: linear warm-up over the first ``warmup`` fraction of the steps, then
-    linear decay to 0 at the last step."""
-    w = max(1, round(warmup * steps))
-
-    def factor(step: int) -> float:
-        if step < w:
-            return (step + 1) / w
-        return max(0.0, (steps - step) / max(1, steps - w))
-
-    return factor
+def dp_gradient(bound, model, ids, targets, *, sigma: float, C: float, expected_batch: int,
+                generator: torch.Generator | None, canaries=None):
+    """One DP-SGD gradient of the users (ids, targets), as the training takes it
+    (``pipeline.dpsgd.noisy_gradient`` with the task's loss, in one piece), left in ``p.grad``:
+    for the step audit, the benchmark and the tests, which hold a batch rather than a run."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    batches = [(ids, targets)] if ids.shape[0] else []
+    return dpsgd.noisy_gradient(bound.engine, clipping.user_losses, batches, params, sigma=sigma, C=C,
+                                expected_batch=expected_batch, generator=generator, canaries=canaries,
+                                rounding=ROUNDING)
 
 
 def adam_errors(cfg, run_plan: Plan) -> np.ndarray:
@@ -223,11 +171,12 @@ def run(seqs, cfg, run_plan: Plan, on_epoch: Callable[[int, dict], None] | None 
         validate: Callable[[torch.nn.Module], dict] | None = None, device: torch.device | str = "cpu",
         checkpoint: Path | None = None, resume: bool = False, digest: str = "",
         canaries: Callable | None = None, engine: Callable | None = None):
-    """Train the configured model on ``seqs.train``; return (model, History). The model, the
-    training rows, the Poisson sampling and the noise live on ``device`` (one generator there, seeded
-    as on the CPU: a CPU run's numbers do not depend on this argument). With ``checkpoint`` (a
-    path), the state is saved there at the end of every epoch; with ``resume``, a checkpoint there
-    of the same config (``digest``) is continued from (``pipeline/seqrec/checkpoint.py``).
+    """Train the configured model on ``seqs.train`` with the shared trainer (``pipeline.dpsgd.Trainer``);
+    return (model, History). The model, the training rows, the Poisson sampling and the noise live on
+    ``device`` (one generator there, seeded as on the CPU, draws both the samples and the noise: a CPU
+    run's numbers do not depend on this argument). With ``checkpoint`` (a path), the state is saved
+    there at the end of every epoch; with ``resume``, a checkpoint there of the same config
+    (``digest``) is continued from (``pipeline/seqrec/checkpoint.py``).
 
     For the whole-run audit (``pipeline/seqrec/audit_run.py``): ``canaries(model)`` makes the run's
     Dirac canaries (``pipeline.canaries.DiracCanaries``; the caller keeps what it made), which join
@@ -238,10 +187,9 @@ def run(seqs, cfg, run_plan: Plan, on_epoch: Callable[[int, dict], None] | None 
     torch.manual_seed(int(cfg.seed))
     model = build(cfg.model, seqs.n_items, seqs.L).to(device)
     dirac = canaries(model) if canaries is not None else None
-    engine = clipping.make(cfg.clipping.name, model, cfg.clipping) if engine is None else engine(model)
-    opt = torch.optim.Adam(model.parameters(), lr=float(train.lr), betas=ADAM_BETAS,
-                           weight_decay=float(train.weight_decay))
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule(run_plan.steps, float(train.warmup)))
+    bound = clipping.make(cfg.clipping.name, model, cfg.clipping) if engine is None else engine(model)
+    opt, sched = dpsgd.adam(model, lr=float(train.lr), weight_decay=float(train.weight_decay), steps=run_plan.steps,
+                            warmup=float(train.warmup))
     adam_errs = None  # model.reattention.errors=adam: the error after each step (reattention.adam_errors)
     re = cfg.model.get("reattention")
     if re is not None and re.get("errors", "paper") == "adam":
@@ -253,20 +201,22 @@ def run(seqs, cfg, run_plan: Plan, on_epoch: Callable[[int, dict], None] | None 
                               generator=torch.Generator().manual_seed(int(cfg.seed) + 2))
     sampled = isinstance(model, reattention.DPFormer) and model.form == "sampled"
     gen = torch.Generator(device=device).manual_seed(int(cfg.seed) + 1)  # Poisson sampling and noise
-    C = float(cfg.clipping.C)
-    history = History()
     rows = seqs.train.to(device)
+
+    def take(pick: torch.Tensor):
+        batch = rows[pick]
+        return batch[:, :-1], batch[:, 1:]
+
+    trainer = dpsgd.Trainer(model, bound.engine, clipping.user_losses, take, run_plan, C=float(cfg.clipping.C),
+                            optimizer=opt, schedule=sched, sampling=gen, canaries=dirac, rounding=ROUNDING,
+                            max_physical_batch=train.get("max_physical_batch"),
+                            hint=f"seqrec.lr = {train.lr}, clipping.C = {cfg.clipping.C}")
+    history = History()
     first = 1
     key = checkpoints.key(digest, device, seqs)
     state = checkpoints.load(checkpoint, key) if resume else None
     if state is not None:
-        checkpoints.restore(state, model=model, opt=opt, sched=sched, gen=gen)
-        if dirac is not None:
-            if state.get("canaries") is None:
-                raise ValueError(f"{checkpoint} holds no canaries' state: an audited run resumes only its own checkpoint")
-            dirac.load_state(state["canaries"])
-        elif state.get("canaries") is not None:  # its sums held canaries: no model of a plain run
-            raise ValueError(f"{checkpoint} is an audited run's (its sums held canaries): a plain run does not resume it")
+        trainer.load_state_dict(state["dpsgd"], where=str(checkpoint))
         history = History(**state["history"] | {"resumed_from": int(state["epoch"])})
         first = int(state["epoch"]) + 1
         log.info("resume: %s holds epoch %d of %d; continuing from epoch %d", checkpoint, state["epoch"],
@@ -276,57 +226,35 @@ def run(seqs, cfg, run_plan: Plan, on_epoch: Callable[[int, dict], None] | None 
                 on_epoch(epoch, metrics)
     bar = tqdm(total=run_plan.steps, initial=(first - 1) * run_plan.steps_per_epoch, desc="train", unit="step",
                leave=False, disable=None)  # quiet off a terminal
+
+    def before_step(done: int) -> None:  # done: the steps taken before this one
+        bar.update()
+        if adam_errs is not None:  # the noise the present parameters carry: e_(t-1), 0 before the first step
+            model.set_uniform_errors(adam_errs[done - 1] if done else 0.0)
+        if sampled:  # model.reattention.form=sampled: this step's draws
+            model.at_step(done)
+
     for epoch in range(first, int(train.epochs) + 1):
         model.train()
-        # the epoch's sums stay on the device (float64, as Python's floats were: the same numbers, no sync per step)
-        loss_sum, norm_sum = (torch.zeros((), dtype=torch.float64, device=device) for _ in range(2))
-        users = 0
         bar.set_postfix_str(f"epoch {epoch}/{train.epochs}", refresh=False)
-        for i in range(run_plan.steps_per_epoch):
-            bar.update()
-            done = (epoch - 1) * run_plan.steps_per_epoch + i  # steps taken before this one
-            if adam_errs is not None:  # the noise the present parameters carry: e_(t-1), 0 before the first step
-                model.set_uniform_errors(adam_errs[done - 1] if done else 0.0)
-            if sampled:  # model.reattention.form=sampled: this step's draws
-                model.at_step(done)
-            pick = (torch.rand(run_plan.n_users, generator=gen, device=device) < run_plan.sample_rate).nonzero().squeeze(1)
-            batch = rows[pick]
-            losses, norms = noisy_gradient(engine, model, batch[:, :-1], batch[:, 1:], sigma=run_plan.sigma, C=C,
-                                           expected_batch=run_plan.batch_size, generator=gen, canaries=dirac)
-            step_loss = losses.sum()
-            if not finite_step(step_loss, model):
-                what = "loss" if not math.isfinite(float(step_loss)) else "gradient"
-                raise Diverged(f"training diverged at step {done + 1} of {run_plan.steps} (epoch {epoch}): the {what} "
-                               f"is not finite (seqrec.lr = {train.lr}, clipping.C = {cfg.clipping.C}); the run ends FAILED")
-            opt.step()
-            sched.step()
-            loss_sum += step_loss.double()
-            users += len(losses)
-            if norms is not None:
-                norm_sum += norms.sum().double()
+        found = trainer.epoch(before_step)
         if adam_errs is not None:  # validation and, after the last epoch, evaluation: e_t after this epoch
             model.set_uniform_errors(adam_errs[epoch * run_plan.steps_per_epoch - 1])
         if sampled:  # validation's draws: those of the step after the epoch's last
             model.at_step(epoch * run_plan.steps_per_epoch)
-        if not all(bool(torch.isfinite(p).all()) for p in model.parameters()):
-            raise Diverged(f"training diverged in epoch {epoch}: a parameter is not finite "
-                           f"(seqrec.lr = {train.lr}, clipping.C = {cfg.clipping.C}); the run ends FAILED")
+        trainer.check_parameters(epoch)
         history.epoch.append(epoch)
-        history.loss.append(float(loss_sum) / max(users, 1))
-        history.mean_norm.append(float(norm_sum) / max(users, 1) if engine.private else math.nan)
+        history.loss.append(found.loss)
+        history.mean_norm.append(found.mean_norm)
         metrics = {"loss": history.loss[-1]}
-        if engine.private:
+        if trainer.private:
             metrics["mean_grad_norm"] = history.mean_norm[-1]
         if validate is not None and (epoch % int(train.eval_every) == 0 or epoch == int(train.epochs)):
-            found = validate(model)
-            history.valid.append({"epoch": epoch, **found})
-            metrics.update({f"valid_{k}": v for k, v in found.items()})
+            checked = validate(model)
+            history.valid.append({"epoch": epoch, **checked})
+            metrics.update({f"valid_{k}": v for k, v in checked.items()})
         if checkpoint is not None:
-            accountant = {"accountant": str(train.accountant),  # its history: (sigma, q, steps) so far
-                          "history": [[run_plan.sigma, run_plan.sample_rate, epoch * run_plan.steps_per_epoch]]}
-            checkpoints.save(checkpoint, key=key, epoch=epoch, model=model, opt=opt, sched=sched, gen=gen,
-                             history=history, accountant=accountant,
-                             canaries=None if dirac is None else dirac.state())
+            checkpoints.save(checkpoint, key=key, epoch=epoch, trainer=trainer, history=history)
         if on_epoch is not None:
             on_epoch(epoch, metrics)
     bar.close()

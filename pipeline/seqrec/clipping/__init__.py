@@ -1,7 +1,7 @@
 """Clipping engines: each turns a batch of users into the clipped sum of their gradients, left in
 ``p.grad`` (noise is added by the training step, ``pipeline/seqrec/train.py``).
 
-``none``: the plain (unclipped) sum, the non-private baseline. ``phantom``: Phantom Clipping, the
+``none``: the plain (unclipped) sum, the non-private baseline (``pipeline.dpsgd.NonPrivate``). ``phantom``: Phantom Clipping, the
 shared engine (``pipeline/clipping``: per-user norms without per-user gradients, the tied item table's
 two uses found and their cross term included, the clipped sum by book-keeping or a second backward
 pass). ``per_sample``: Opacus's hooks mode, per-user gradients instantiated (the reference).
@@ -30,11 +30,12 @@ def user_losses(model, batch) -> torch.Tensor:
 
 
 class Bound:
-    """A shared engine (``pipeline.clipping``: ``step(loss_fn, batch)``) on (ids, targets) batches."""
-    private = True
+    """A shared engine (``pipeline.clipping``, or ``pipeline.dpsgd.NonPrivate``: ``step(loss_fn, batch)``)
+    on (ids, targets) batches; the trainer takes its ``engine`` with ``user_losses``."""
 
     def __init__(self, engine):
         self.engine = engine
+        self.private = bool(getattr(engine, "private", True))
 
     def step(self, ids, targets):
         return self.engine.step(user_losses, (ids, targets))
@@ -53,9 +54,10 @@ def phantom(model, clip, engine=None) -> Bound:
 def make(name: str, model, clip) -> "object":
     """The engine ``name`` on ``model``; ``clip`` is the ``clipping`` config (C, rule, gamma, norm_form,
     sum_by, check)."""
-    if name == "none":
-        from pipeline.seqrec.clipping.none import NonPrivate
-        return NonPrivate(model)
+    if name == "none":  # the plain sum, no clipping and no noise
+        from pipeline.dpsgd import NonPrivate
+
+        return Bound(NonPrivate(model))
     if name == "phantom":
         return phantom(model, clip)
     if name in ("per_sample", "ghost"):
