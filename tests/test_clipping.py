@@ -204,21 +204,28 @@ def test_a_layer_whose_call_reaches_a_parameter_it_does_not_hold_is_refused():
         del layers.LAYERS[Sneaky]
 
 
-def test_unknown_and_batch_mixing_layers_and_loose_parameters_are_refused():
+def test_batch_mixing_layers_are_refused_and_unregistered_ones_read_exactly():
+    """BatchNorm has no per-example gradient: refused when the engine is made. A layer without a
+    registered function (an nn.Conv2d, a model holding a bare matrix Parameter) is read by torch.func,
+    each example's gradient of its own parameters materialised: exact against the brute force."""
     with pytest.raises(Unsupported, match=r"layer 1 \(torch.nn.modules.batchnorm.BatchNorm1d\) mixes the examples"):
         PhantomClipping(nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4)), C=1.0)
-    with pytest.raises(Unsupported, match=r"layer 0 \(torch.nn.modules.conv.Conv2d\) has no registered function"):
-        PhantomClipping(nn.Sequential(nn.Conv2d(1, 2, 3)), C=1.0)
 
     class Loose(nn.Module):
         def __init__(self):
             super().__init__()
-            self.lin = nn.Linear(3, 3)
-            self.scale = nn.Parameter(torch.ones(3, 3))
+            self.conv = nn.Conv2d(1, 2, 3)
+            self.lin = nn.Linear(4, 3)
+            self.scale = nn.Parameter(torch.randn(3, 3))
 
-    with pytest.raises(Unsupported, match=r"layer \(the model\) \(.*Loose\) has no registered function, and holds "
-                                          r"the trainable \['scale'\], not all of them vectors"):
-        PhantomClipping(Loose(), C=1.0)
+        def forward(self, x):
+            return (self.lin(torch.tanh(self.conv(x)).flatten(1)) @ self.scale).pow(2).sum(-1)
+
+    torch.manual_seed(0)
+    model, x = Loose(), torch.randn(5, 1, 4, 3)
+    _, grads = brute_force(model, lambda m, b: m(b), x)
+    _, norms = PhantomClipping(model, C=1.0).step(lambda m, b: m(b), x)
+    torch.testing.assert_close(norms, norms_of(grads), rtol=1e-10, atol=1e-12)
     frozen = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4))
     frozen[1].requires_grad_(False)
     PhantomClipping(frozen, C=1.0)  # a frozen layer needs no per-example gradient

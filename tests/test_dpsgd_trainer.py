@@ -142,7 +142,7 @@ def _step_peak(batch: int, most: int | None) -> int:
     dp = dpsgd.DPSGD(model, (data, torch.ones(batch, L, dtype=torch.bool)), examples.example_losses, eps=8.0,
                      delta=1e-5, batch_size=batch, epochs=2, max_physical_batch=most)
     dp.trainer.sampler.sample = lambda: torch.arange(batch)  # the whole data set: a logical batch of `batch`
-    dp.step()  # the engine's first-step self-check, and Adam's state, before measuring
+    dp.step()  # Adam's state and the first step's allocations, before measuring
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         dp.step()
     events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()

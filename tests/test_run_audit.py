@@ -121,9 +121,9 @@ def test_an_audited_run_killed_and_resumed_scores_its_canaries_as_an_uninterrupt
     draws = []
     real = dp_noise.add_noise  # the shared trainer's (pipeline.dpsgd)
 
-    def recorded(params, sigma, C, generator, rounding):  # the state each step's noise is drawn from
+    def recorded(params, sigma, C, generator):  # the state each step's noise is drawn from
         draws.append(generator.get_state().clone())
-        real(params, sigma, C, generator, rounding)
+        real(params, sigma, C, generator)
 
     dp_noise.add_noise = recorded
     try:

@@ -32,3 +32,31 @@ def test_the_counter_counts_kernels_and_synchronisations_not_views():
     seen = step_ops.count(lambda: (x.view(12).sum() + x.t().mul(2).sum()).item())
     assert step_ops.launches(seen) == 4  # sum, mul, sum, add: the view and the transpose launch nothing
     assert step_ops.syncs(seen) == 1  # item
+
+
+def test_an_epoch_of_dp_sgd_reads_nothing_on_the_host_until_it_ends():
+    """The shared trainer keeps each step's sums and finiteness on the device: an epoch of five steps
+    makes the host reads (``item``, ``bool``, ``float`` of a tensor) of an epoch of one, all at its end.
+    (Poisson sampling draws on its own generator's device, the CPU: no device wait on a GPU.)"""
+    import torch
+    from torch import nn
+
+    from pipeline.clipping import PhantomClipping
+    from pipeline.dpsgd.planning import Plan
+    from pipeline.dpsgd.trainer import Trainer
+
+    def reads(steps):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 1))
+        x = torch.randn(40, 3)
+        plan = Plan(n=40, batch_size=8, sample_rate=0.2, steps_per_epoch=steps, steps=steps, sigma=1.0, eps_spent=1.0,
+                    delta=1e-5, private=True)
+        trainer = Trainer(model, PhantomClipping(model, C=1.0), lambda m, b: m(b).squeeze(-1) ** 2, lambda i: x[i],
+                          plan, C=1.0, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                          sampling=torch.Generator().manual_seed(0))
+        seen = step_ops.count(trainer.epoch)
+        return seen["_local_scalar_dense"], step_ops.launches(seen)
+
+    (one, launched_one), (five, launched_five) = reads(1), reads(5)
+    assert launched_five > 3 * launched_one  # five steps ran
+    assert five == one, (one, five)

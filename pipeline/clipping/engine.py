@@ -201,35 +201,37 @@ class PhantomClipping:
                 raise Unsupported(f"layer {name} (nn.Embedding) has scale_grad_by_freq=True: each example's gradient "
                                   "is scaled by the counts of the whole batch, so it is no per-example gradient")
             fn = lookup(module)
-            if fn is None and functional.base_of(module) is not None:
-                fn = "capture"
-            elif fn is None and all(p.dim() <= 1 for _, p in own):
-                fn = "autograd"
-            elif fn is None:
-                raise Unsupported(f"layer {name or '(the model)'} ({kind}) has no registered function, and holds the "
-                                  f"trainable {held}, not all of them vectors: their per-example gradients cannot "
-                                  "be accounted for; register a function for the layer (pipeline.clipping.register), "
-                                  "move them into a known layer, or freeze them (requires_grad=False)")
+            if fn is None:  # a subclass of a registered type is read at its base's call; anything else by torch.func
+                fn = "capture" if functional.base_of(module) is not None else "autograd"
             found[module], how[module] = [p for _, p in own], fn
         return found, how
 
     # --- recording ------------------------------------------------------------------------------
 
     def _record(self, module, args, kwargs, output):
-        """The forward hook of a registered or autograd-read layer."""
+        """The forward hook of a registered or autograd-read layer. A layer read by torch.func may return
+        a tuple (an attention's output and its weights): its first tensor with a gradient is recorded, and
+        a use through the others is a path the guard refuses."""
         if not (self._active and torch.is_grad_enabled()):
             return None
-        if not isinstance(output, torch.Tensor) or not output.requires_grad:
+        fn, which = self._how[module], None
+        if fn == "autograd" and isinstance(output, (tuple, list)):
+            which = next((k for k, o in enumerate(output) if isinstance(o, torch.Tensor) and o.requires_grad), None)
+        out = output if which is None else output[which]
+        if not isinstance(out, torch.Tensor) or not out.requires_grad:
             return None
+        tensors = [t for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor)]
         x = args[0] if args else next(iter(kwargs.values()))
-        fn = self._how[module]
         if fn == "autograd":
             detached = ([a.detach() if isinstance(a, torch.Tensor) else a for a in args],
                         {k: v.detach() if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()})
-            fn = lambda layer, x, g, n: functional.per_example(layer, tuple(detached[0]), detached[1], g, n)  # noqa: E731
-        tensors = [t for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor)]
-        out = self._note(module, x, output, fn, tensors)
-        return out if out is not output else None
+            fn = lambda layer, x, g, n: functional.per_example(layer, tuple(detached[0]), detached[1], g, n,  # noqa: E731
+                                                              which)
+            x = next((t for t in tensors if t.dim() and t.shape[0] == out.shape[0]), x)  # the batch-first input
+        noted = self._note(module, x, out, fn, tensors)
+        if noted is out:
+            return None
+        return noted if which is None else type(output)((*output[:which], noted, *output[which + 1:]))
 
     def _enter(self, module, args):
         if self._active and torch.is_grad_enabled():
@@ -256,6 +258,10 @@ class PhantomClipping:
         the call would make the values read other than the ones the layer used."""
         broadcast = False
         n = self._hint
+        if (n is not None and n > 1 and output.dim() >= 2 and x.dim() == 1 and x.shape[0] != n
+                and not x.is_floating_point() and not x.requires_grad):
+            # one row of T indices with no batch dimension at all (positions, (T,) -> (T, d)): a batch of one
+            output, x = output.unsqueeze(0), x.unsqueeze(0)
         if (n is not None and n > 1 and output.dim() and output.shape[0] == 1 and x.dim() and x.shape[0] == 1
                 and not x.requires_grad):
             # a (1, T) row of constants (position ids) whose output is broadcast over the batch: expanded here,
@@ -458,13 +464,9 @@ class PhantomClipping:
         Each example's clipped gradient has norm at most C (both rules), so adding or removing one
         example moves the sum by at most C: the sensitivity the multiplier is calibrated for
         (``pipeline.privacy.dpsgd_noise_multiplier`` under Poisson sampling)."""
-        if not 0 <= multiplier < float("inf"):
-            raise ValueError(f"the noise multiplier must be a finite number >= 0, got {multiplier!r}")
-        for _, p in self.params.values():
-            if p.grad is None:
-                raise RuntimeError("add_noise needs the clipped sum: call step first")
-            noise = torch.randn(p.grad.shape, generator=generator, dtype=p.grad.dtype, device=p.grad.device)
-            p.grad.add_(noise, alpha=multiplier * self.C)
+        from pipeline.dpsgd.noise import add_noise  # DP-SGD's one noise step (it imports no engine)
+
+        add_noise([p for _, p in self.params.values()], multiplier, self.C, generator)
 
     def _forward(self, loss_fn, batch) -> torch.Tensor:
         now = {id(p) for p in self.model.parameters() if p.requires_grad}

@@ -6,12 +6,14 @@
   weight (``F.embedding(ids, self.weight, ...)``, ``F.linear(x, self.weight, self.bias)``) is
   recorded while the layer runs (a ``TorchFunctionMode`` active during its call only), and the base's
   function reads it; what the subclass does around it is ordinary graph, walked by the guard;
-* a layer whose trainable parameters are all vectors or scalars (the many RMSNorm and LayerNorm
-  variants of Hugging Face's families: T5's, Gemma's ``(1 + w)``, ...): each example's gradient of
-  them by ``torch.func``, the vector-Jacobian product of the layer's own forward on that example's
-  rows, vectorised over the examples. Exact (it is autograd), and checked on every call: the
-  examples' gradients must add up to the batch's, or the layer mixes the examples of a batch and is
-  refused.
+* any other layer (the many RMSNorm and LayerNorm variants of Hugging Face's families: T5's, Gemma's
+  ``(1 + w)``; a ``Conv1d``; an attention holding a bare bias or sink vector): each example's gradient
+  of the parameters it holds itself by ``torch.func``, the vector-Jacobian product of the layer's own
+  forward on that example's rows, vectorised over the examples. Exact (it is autograd), and checked
+  on every call: the examples' gradients must add up to the batch's, or the layer mixes the examples
+  of a batch and is refused. It materialises those per-example gradients (n times the parameters'
+  size): cheap for norms and small convolutions, as costly as Opacus's hooks for a large matrix
+  (register a function for such a layer).
 """
 
 from __future__ import annotations
@@ -100,12 +102,14 @@ def rounding(dtype: torch.dtype, terms: int) -> float:
     return 16 * torch.finfo(dtype).eps * math.sqrt(max(1, terms))
 
 
-def per_example(layer: nn.Module, args: tuple, kwargs: dict, g: torch.Tensor, n: int):
+def per_example(layer: nn.Module, args: tuple, kwargs: dict, g: torch.Tensor, n: int, which: int | None = None):
     """[(parameter, Direct (n, 1, numel))] for each trainable parameter the layer holds itself: the
     vector-Jacobian product of the layer's forward on each example's rows with that example's output
     gradient, vectorised over the examples (``torch.func.vmap``). ``args``/``kwargs`` are the call's,
     detached; a tensor whose leading dimension is the output's rows is split by example, any other
-    is shared (a (1, T) position table broadcast over the batch)."""
+    is shared (a (1, T) position table broadcast over the batch). ``which``: the recorded element of
+    a layer that returns a tuple. Each example's gradient of these parameters is materialised (n
+    times their size): exact, and as costly as Opacus's per-example gradients for that layer."""
     from torch.func import functional_call, vjp, vmap
 
     names = [k for k, p in layer.named_parameters(recurse=False) if p.requires_grad]
@@ -117,7 +121,11 @@ def per_example(layer: nn.Module, args: tuple, kwargs: dict, g: torch.Tensor, n:
 
     def pull(params, inputs, grad):
         a, k = tree_unflatten(list(inputs), spec)
-        _, back = vjp(lambda *v: functional_call(layer, dict(zip(names, v)), a, k), *params)
+        def forward(*v):
+            out = functional_call(layer, dict(zip(names, v)), a, k)
+            return out if which is None else out[which]
+
+        _, back = vjp(forward, *params)
         return back(grad)
 
     try:
@@ -138,4 +146,5 @@ def per_example(layer: nn.Module, args: tuple, kwargs: dict, g: torch.Tensor, n:
                 "one example at a time do not add up to the batch's: its forward mixes the examples of a batch (or "
                 "draws randomness per call), so no per-example gradient exists; register a function for it "
                 "(pipeline.clipping.register) or freeze it")
-    return [(getattr(layer, k), Direct(grad=each.reshape(n, 1, -1))) for k, each in zip(names, grads)]
+    return [(getattr(layer, k), Direct(grad=each.reshape(n, 1, -1) if each[0].dim() <= 1 else each.reshape(
+        n, each.shape[1], -1))) for k, each in zip(names, grads)]

@@ -6,7 +6,7 @@ only: a parameter held by two modules is refused by name before any compute, a m
 one forward pass, such as a table used as input lookup and output layer, on the first forward pass,
 before any gradient). Not seen by either check: a parameter used outside any call of the module
 that holds it (``h @ emb.weight.T`` in a parent's forward); Opacus's ghost norms leave that use out,
-so such a model needs ``PhantomClipping``, whose first-batch self-check refuses it. Both clip with ``engine.coefficients``: by default
+so such a model needs ``PhantomClipping``, whose guard refuses it on every step. Both clip with ``engine.coefficients``: by default
 the classic c_i = min(1, C / (||g_i|| + 1e-6)); ``rule="automatic"`` C / (||g_i|| + gamma).
 
 Opacus records activations in training mode only: call ``model.train()`` (with dropout off where a

@@ -18,28 +18,20 @@ from typing import Any, Callable, Iterable
 
 import torch
 
-ROUNDINGS = ("fused", "separate")
-
-
-def add_noise(params: list[torch.nn.Parameter], sigma: float, C: float, generator: torch.Generator | None,
-              rounding: str = "fused") -> None:
+def add_noise(params: list[torch.nn.Parameter], sigma: float, C: float, generator: torch.Generator | None) -> None:
     """The Gaussian mechanism on the clipped sum: N(0, (sigma C)^2) added to every ``p.grad`` of
     ``params``, in their order, drawn on ``generator``'s device (a CPU generator gives a GPU run the
-    CPU's numbers) in the gradients' dtype. ``rounding`` says how the float32 sum is rounded:
-    ``fused``, ``grad.add_(noise, alpha=sigma C)`` (one fused multiply-add: the engine's
-    ``add_noise`` and the language model's arithmetic); ``separate``, ``grad + (sigma C) noise`` (the
-    product rounded first: DPFormer's). The two differ in the last bit of some coordinates; each task
-    keeps its own so that its results stay bit-identical to those its stages recorded."""
-    if rounding not in ROUNDINGS:
-        raise ValueError(f"rounding {rounding!r} is unknown; known: {ROUNDINGS}")
+    CPU's numbers; without one, the gradients' device's default stream) in the gradients' dtype,
+    joined in one fused multiply-add (``add_(noise, alpha)``)."""
+    if not 0 <= sigma < float("inf"):
+        raise ValueError(f"the noise multiplier must be a finite number >= 0, got {sigma!r}")
     scale = sigma * C
     for p in params:
+        if p.grad is None:
+            raise RuntimeError("add_noise needs the clipped sum in every p.grad: call the engine's step first")
         noise = torch.randn(p.grad.shape, generator=generator, dtype=p.grad.dtype,
-                            device=None if generator is None else generator.device).to(p.grad.device)
-        if rounding == "fused":
-            p.grad.add_(noise, alpha=scale)
-        else:
-            p.grad = p.grad + scale * noise
+                            device=p.grad.device if generator is None else generator.device).to(p.grad.device)
+        p.grad.add_(noise, alpha=scale)
 
 
 def clipped_sum(engine, loss_fn: Callable, batches: Iterable[Any], params: list[torch.nn.Parameter]):
@@ -70,7 +62,7 @@ def clipped_sum(engine, loss_fn: Callable, batches: Iterable[Any], params: list[
 
 def noisy_gradient(engine, loss_fn: Callable, batches: Iterable[Any], params: list[torch.nn.Parameter], *,
                    sigma: float, C: float, expected_batch: int, generator: torch.Generator | None,
-                   canaries=None, rounding: str = "fused"):
+                   canaries=None):
     """One DP-SGD gradient, (sum_i c_i g_i + sigma C N(0, I)) / B, left in every ``p.grad`` of
     ``params``: the clipped sum over ``batches`` (the logical batch's micro-batches, ``clipped_sum``),
     noise once (none where sigma = 0), then the division by the expected batch size B. With
@@ -81,7 +73,7 @@ def noisy_gradient(engine, loss_fn: Callable, batches: Iterable[Any], params: li
     if canaries is not None:
         canaries.add()
     if sigma > 0:
-        add_noise(params, sigma, C, generator, rounding)
+        add_noise(params, sigma, C, generator)
     if canaries is not None:
         canaries.observe()
     for p in params:

@@ -71,11 +71,16 @@ class NonPrivate:
         return losses.detach(), None
 
 
+def finite(loss: torch.Tensor, params: list[torch.nn.Parameter]) -> torch.Tensor:
+    """Whether the step's loss, and every gradient DP-SGD left in ``p.grad``, are finite: a (2,) bool
+    tensor on the device, read on the host only when asked."""
+    grads = [torch.isfinite(p.grad).all() for p in params if p.grad is not None]
+    return torch.stack([torch.isfinite(loss), torch.stack(grads).all() if grads else torch.isfinite(loss)])
+
+
 def finite_step(loss: torch.Tensor, params: list[torch.nn.Parameter]) -> bool:
-    """Whether the step's loss and every gradient DP-SGD left in ``p.grad`` are finite: one
-    reduction, the step's one device sync besides Poisson sampling's (its batch size)."""
-    checks = [torch.isfinite(loss)] + [torch.isfinite(p.grad).all() for p in params if p.grad is not None]
-    return bool(torch.stack(checks).all())
+    """``finite``, read on the host (a device synchronisation)."""
+    return bool(finite(loss, params).all())
 
 
 @dataclass
@@ -101,7 +106,7 @@ class Trainer:
     def __init__(self, model: torch.nn.Module, engine, loss_fn: Callable, take: Callable[[torch.Tensor], Any],
                  plan: Plan, *, C: float, optimizer: torch.optim.Optimizer, schedule=None,
                  sampling: torch.Generator, noise: torch.Generator | None = None,
-                 max_physical_batch: int | None = None, canaries=None, rounding: str = "fused", hint: str = ""):
+                 max_physical_batch: int | None = None, canaries=None, hint: str = ""):
         if max_physical_batch is not None and (isinstance(max_physical_batch, bool) or int(max_physical_batch) < 1):
             raise ValueError(f"max_physical_batch must be None or a positive integer, got {max_physical_batch!r}")
         if canaries is not None and not getattr(engine, "private", True):
@@ -111,46 +116,60 @@ class Trainer:
         self.sampling, self.noise = sampling, sampling if noise is None else noise
         self.sampler = PoissonSampler(plan.n, plan.sample_rate, sampling)
         self.max_physical_batch = None if max_physical_batch is None else int(max_physical_batch)
-        self.rounding, self.hint = rounding, hint
+        self.hint = hint
         self.private = bool(getattr(engine, "private", True))
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.steps_done = 0
 
-    def step(self):
+    def step(self, check: bool = True):
         """One logical DP-SGD step; returns the sampled examples' losses and clipping norms (None:
-        a non-private engine)."""
+        a non-private engine). ``check``: a non-finite loss or gradient raises ``Diverged`` here (a
+        device synchronisation); ``epoch`` checks its steps at its end instead."""
         pick = self.sampler.sample()
         batches = (self.take(chunk) for chunk in chunks(pick, self.max_physical_batch))
         sigma = self.plan.sigma if self.private else 0.0
         losses, norms = dp_noise.noisy_gradient(self.engine, self.loss_fn, batches, self.params, sigma=sigma, C=self.C,
                                                 expected_batch=self.plan.batch_size, generator=self.noise,
-                                                canaries=self.canaries, rounding=self.rounding)
-        loss = losses.sum()
-        if not finite_step(loss, self.params):
-            what = "loss" if not math.isfinite(float(loss)) else "gradient"
-            epoch = self.steps_done // self.plan.steps_per_epoch + 1
-            raise Diverged(f"training diverged at step {self.steps_done + 1} of {self.plan.steps} (epoch {epoch}): the "
-                           f"{what} is not finite{f' ({self.hint})' if self.hint else ''}; the run ends FAILED")
+                                                canaries=self.canaries)
+        self.ok = finite(losses.sum(), self.params)
+        if check:
+            self._diverged([self.ok], self.steps_done)
         self.optimizer.step()
         if self.schedule is not None:
             self.schedule.step()
         self.steps_done += 1
         return losses, norms
 
+    def _diverged(self, oks: list[torch.Tensor], first: int) -> None:
+        """``Diverged`` naming the first of the steps ``first``, ``first + 1``, ... whose flag in ``oks``
+        is false (one read of them all)."""
+        flags = torch.stack(oks).tolist()
+        bad = next((k for k, (loss, grads) in enumerate(flags) if not (loss and grads)), None)
+        if bad is None:
+            return
+        step, what = first + bad, "loss" if not flags[bad][0] else "gradient"
+        raise Diverged(f"training diverged at step {step + 1} of {self.plan.steps} (epoch "
+                       f"{step // self.plan.steps_per_epoch + 1}): the {what} is not finite"
+                       f"{f' ({self.hint})' if self.hint else ''}; the run ends FAILED")
+
     def epoch(self, before_step: Callable[[int], None] | None = None) -> Epoch:
-        """``plan.steps_per_epoch`` steps (``before_step(steps taken)`` before each); the sums stay on the
-        device, in float64, until the epoch ends (no sync per step)."""
+        """``plan.steps_per_epoch`` steps (``before_step(steps taken)`` before each). Nothing is read on
+        the host until the epoch ends (no synchronisation per step): the sums stay on the device, in
+        float64, and so does each step's finiteness, checked once at the end (a step that diverged
+        raises ``Diverged`` then, naming it, before any checkpoint holds its parameters)."""
         device = self.params[0].device
         loss_sum, norm_sum = (torch.zeros((), dtype=torch.float64, device=device) for _ in range(2))
-        seen = 0
+        seen, oks, first = 0, [], self.steps_done
         for _ in range(self.plan.steps_per_epoch):
             if before_step is not None:
                 before_step(self.steps_done)
-            losses, norms = self.step()
+            losses, norms = self.step(check=False)
+            oks.append(self.ok)
             loss_sum += losses.sum().double()
             seen += len(losses)
             if norms is not None:
                 norm_sum += norms.sum().double()
+        self._diverged(oks, first)
         return Epoch(float(loss_sum) / max(seen, 1), float(norm_sum) / max(seen, 1) if self.private else math.nan, seen)
 
     def check_parameters(self, epoch: int) -> None:

@@ -92,7 +92,7 @@ def run(model, rows: torch.Tensor, mask: torch.Tensor, run_plan: Plan, *, engine
     trainer = dpsgd.Trainer(model, bound.engine, example_losses, take, run_plan, C=C, optimizer=opt, schedule=sched,
                             sampling=torch.Generator().manual_seed(streams.seed_of(seed, "sampling")),
                             noise=torch.Generator().manual_seed(streams.seed_of(seed, "noise")),
-                            max_physical_batch=max_physical_batch, canaries=canaries, rounding="fused",
+                            max_physical_batch=max_physical_batch, canaries=canaries,
                             hint=f"train.lr = {lr}, clipping.C = {C}")
     history = History()
     model.train()  # dropout as configured (Opacus's hooks record in training mode only)

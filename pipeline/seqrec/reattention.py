@@ -74,7 +74,7 @@ the noise DP-SGD leaves in the parameters.
    (``benchmarks/reattention_mc.py``, ``tests/test_seqrec_reattention.py``). The copies' noise is a
    function of (the seed the model was built under, the training step) alone, drawn for the whole
    table: a user's correction does not depend on the other users of its batch (Phantom Clipping's
-   per-user norms stay exact), the engine's self-check and evaluation's chunks see the batch's draws,
+   per-user norms stay exact), the engine's brute force (check="brute") and evaluation's chunks see the batch's draws,
    and a resumed training draws what the uninterrupted one drew. Cost per forward pass, without
    gradient: S copies of the blocks' forward (S x the activations' memory), S draws of the item table
    (S (M + 1) d normal numbers), and S^2 n h T^2 d_h for the copies' own variances; the estimate of a
@@ -250,7 +250,7 @@ class DPFormer(Transformer):
         self.form = form
         self.draws = int(draws)
         # form=sampled: the draws' stream is a function of (seed, step) alone, not of the batch or of how many
-        # forward passes ran (the engine's self-check and evaluation chunks see the draws the batch saw): the
+        # forward passes ran (the engine's brute force and evaluation chunks see the draws the batch saw): the
         # seed torch was seeded with when the model was built (no draw from its stream), the step set by the
         # training loop (``at_step``; a resumed training sets the step it resumes at)
         self.sample_seed = torch.initial_seed() % 2**31

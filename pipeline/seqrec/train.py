@@ -119,7 +119,6 @@ def plan(cfg, n_users: int) -> Plan:
     return Plan(**dataclasses.asdict(found), presence_multiplier=z_hist)
 
 
-ROUNDING = "separate"  # how the noise joins the float32 sum (pipeline.dpsgd.add_noise): DPFormer's recorded arithmetic
 
 
 def dp_gradient(bound, model, ids, targets, *, sigma: float, C: float, expected_batch: int,
@@ -130,8 +129,7 @@ def dp_gradient(bound, model, ids, targets, *, sigma: float, C: float, expected_
     params = [p for p in model.parameters() if p.requires_grad]
     batches = [(ids, targets)] if ids.shape[0] else []
     return dpsgd.noisy_gradient(bound.engine, clipping.user_losses, batches, params, sigma=sigma, C=C,
-                                expected_batch=expected_batch, generator=generator, canaries=canaries,
-                                rounding=ROUNDING)
+                                expected_batch=expected_batch, generator=generator, canaries=canaries)
 
 
 def adam_errors(cfg, run_plan: Plan) -> np.ndarray:
@@ -208,7 +206,7 @@ def run(seqs, cfg, run_plan: Plan, on_epoch: Callable[[int, dict], None] | None 
         return batch[:, :-1], batch[:, 1:]
 
     trainer = dpsgd.Trainer(model, bound.engine, clipping.user_losses, take, run_plan, C=float(cfg.clipping.C),
-                            optimizer=opt, schedule=sched, sampling=gen, canaries=dirac, rounding=ROUNDING,
+                            optimizer=opt, schedule=sched, sampling=gen, canaries=dirac,
                             max_physical_batch=train.get("max_physical_batch"),
                             hint=f"seqrec.lr = {train.lr}, clipping.C = {cfg.clipping.C}")
     history = History()
