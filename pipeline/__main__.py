@@ -71,12 +71,11 @@ def _interrupted(stop: KeyboardInterrupt) -> None:
 
 
 if __name__ == "__main__":
-    from pipeline.overrides import other_tasks_group, repeated, unknown_choice, unknown_key
+    from pipeline.overrides import other_tasks_group, repeated, syntax, unknown_choice, unknown_key
 
     argv = sys.argv[1:]
-    for warning in repeated(argv):
-        print(f"warning: {warning}", file=sys.stderr)
-    if (message := unknown_choice(argv) or other_tasks_group(argv) or unknown_key(argv)) is not None:
+    if (message := syntax(argv) or repeated(argv) or unknown_choice(argv) or other_tasks_group(argv)
+            or unknown_key(argv)) is not None:
         print(f"error: {message}", file=sys.stderr)
         sys.exit(2)
     from pipeline import usage
