@@ -125,11 +125,20 @@ def setup(cfg: DictConfig) -> None:
     MLflow's migrations are not safe when several processes open a fresh store at once."""
     if cfg.mlflow.tracking_uri:
         mlflow.set_tracking_uri(cfg.mlflow.tracking_uri)
-    with _store_lock(mlflow.get_tracking_uri()):
-        experiment = mlflow.set_experiment(cfg.mlflow.experiment)
-        kind = cfg.mlflow.get("experiment_kind")
-        if kind and experiment.tags.get(KIND_TAG) != kind:  # the UI opens the runs table, not the GenAI overview
-            mlflow.MlflowClient().set_experiment_tag(experiment.experiment_id, KIND_TAG, str(kind))
+    uri = mlflow.get_tracking_uri()
+    try:
+        with _store_lock(uri):
+            experiment = mlflow.set_experiment(cfg.mlflow.experiment)
+            kind = cfg.mlflow.get("experiment_kind")
+            if kind and experiment.tags.get(KIND_TAG) != kind:  # the UI opens the runs table, not the GenAI overview
+                mlflow.MlflowClient().set_experiment_tag(experiment.experiment_id, KIND_TAG, str(kind))
+    except Exception as err:
+        if "database or disk is full" not in str(err):
+            raise
+        # the disk filled after the preflight checked it: the entry point's one line (pipeline.__main__.full_disk)
+        import errno
+
+        raise OSError(errno.ENOSPC, "the MLflow store's disk is full", uri) from None
     reap(cfg)  # runs left RUNNING by a process of this host that was killed
 
 
