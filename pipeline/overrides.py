@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import difflib
 import re
+from pathlib import Path
 from typing import Sequence
 
 from pipeline import tasks
@@ -189,6 +190,24 @@ def syntax(argv: Sequence[str], sweeps: bool = True) -> str | None:
 
 
 FLAGS = ("-m", "--multirun")  # the command-line flags the key check passes over; with any other, Hydra's to judge
+
+
+def checkout(folder: Path) -> bool:
+    """Whether ``folder`` is the root of a checkout of this project (its entry point and config)."""
+    return (folder / "pipeline" / "__main__.py").is_file() and (folder / "conf" / "config.yaml").is_file()
+
+
+def subfolder(cwd: Path | None = None) -> str | None:
+    """The error message for a command started in a folder inside a checkout (``cd docs && python -m
+    pipeline``), or None: the default MLflow store (``./mlflow.db``, ``./mlruns``), ``outputs/`` and the
+    data paths (``../shared/...``) are relative to the working directory, so such a run made a second
+    store and outputs there, and the UI's links opened whichever store a ``mlflow ui`` served."""
+    cwd = (cwd or Path.cwd()).resolve()
+    root = next((p for p in cwd.parents if checkout(p)), None)
+    if root is None or checkout(cwd):
+        return None
+    return (f"the working directory {cwd} is inside the repository {root}: run from its root (cd {root}), where the "
+            f"default MLflow store (mlflow.db, what `mlflow ui` started there shows), outputs/ and the data paths are")
 
 
 def _compose(config_name: str, overrides: list[str]):

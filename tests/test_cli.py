@@ -418,3 +418,36 @@ def test_key_check_leaves_valid_keys_sweeps_and_additions_alone():
     top = unknown_key(["trial=4"])  # a top-level key: the config's own keys listed (it said "( is not one either)")
     assert top.startswith("trial=4: trial is not a key of the config (the config has: attack, compute,"), top
     assert top.endswith("did you mean trials?"), top
+
+
+def test_a_command_started_inside_the_checkout_but_not_at_its_root_is_refused(tmp_path):
+    """Issue 63: `cd docs && python -m pipeline` made docs/mlflow.db, docs/mlruns and docs/outputs, a
+    second store the UI's links did not open. Inside a checkout only its root is accepted; outside any
+    checkout (a folder of one's own, the tests' temporary folders) the working directory is the user's."""
+    from pipeline.overrides import subfolder
+
+    assert subfolder(ROOT) is None
+    message = subfolder(ROOT / "docs")
+    assert message == (f"the working directory {ROOT / 'docs'} is inside the repository {ROOT}: run from its root "
+                       f"(cd {ROOT}), where the default MLflow store (mlflow.db, what `mlflow ui` started there shows), "
+                       "outputs/ and the data paths are")
+    assert subfolder(ROOT / "pipeline" / "lm") is not None and subfolder(tmp_path) is None
+    clone = tmp_path / "clone"  # another checkout (a DVC test's copy, a worktree): its own root is fine
+    (clone / "pipeline").mkdir(parents=True)
+    (clone / "conf").mkdir()
+    (clone / "pipeline" / "__main__.py").write_text("")
+    (clone / "conf" / "config.yaml").write_text("")
+    assert subfolder(clone) is None and str(clone) in subfolder(clone / "conf")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("module", ["pipeline", "pipeline.audit"])
+def test_from_a_subfolder_the_run_is_one_error_line_and_leaves_nothing_there(module):
+    import os
+    import subprocess
+
+    before = set(os.listdir(ROOT / "docs"))
+    proc = subprocess.run([sys.executable, "-m", module, "trials=2"], cwd=ROOT / "docs", capture_output=True, text=True,
+                          env=dict(os.environ, PYTHONPATH=str(ROOT)), timeout=300)
+    assert proc.returncode == 2 and proc.stderr.startswith("error: the working directory"), proc.stderr[-2000:]
+    assert len(proc.stderr.splitlines()) == 1 and set(os.listdir(ROOT / "docs")) == before
