@@ -250,6 +250,28 @@ def ui_address(cfg: DictConfig, run_id: str) -> str:
     return f"{page}  (after: mlflow ui --backend-store-uri {mlflow.get_tracking_uri()})"
 
 
+def run_links(cfg: DictConfig, run_ids) -> dict[str, str]:
+    """Each run's page in the UI (``ui_address``'s link, without its note), for the sweep report's
+    cells table; a run the store cannot find gets none."""
+    if cfg.mlflow.tracking_uri:
+        mlflow.set_tracking_uri(cfg.mlflow.tracking_uri)
+    base, _ = _ui_base(cfg)
+    client = mlflow.MlflowClient()
+    links = {}
+    for run_id in run_ids:
+        try:
+            experiment = client.get_run(run_id).info.experiment_id
+        except Exception:  # noqa: BLE001 -- MLflow's "run not found": the id is shown without a link
+            continue
+        links[run_id] = f"{base}/#/experiments/{experiment}/runs/{run_id}?workflowType=machine_learning"
+    return links
+
+
+def ui_served(cfg: DictConfig) -> bool:
+    """Whether the store is a tracking server, whose own address the links open (else ``mlflow.ui``)."""
+    return _ui_base(cfg)[1]
+
+
 DISPLAY_DIGITS = 6  # significant digits of the headline metrics the runs table shows (results.csv keeps every digit)
 
 
