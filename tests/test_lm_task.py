@@ -308,3 +308,18 @@ def test_a_public_vocabulary_is_refused_at_the_size_bpe_really_reaches_and_the_c
                                           rf"posts \(a public tokenizer of at most {reached} tokens\): use "
                                           rf"vocab.size={reached} or less"):
         config.validate(_cfg(archive, vocab__size=reached + 1, dataset__posts=90))
+
+
+def test_the_data_preparation_says_each_phase(tmp_path, caplog):
+    """Issue 63: a language-model cell printed nothing while it read the posts, trained the vocabulary
+    and encoded the rows; each phase is now a line (off a terminal) with the time so far."""
+    import logging
+
+    from pipeline.lm.prepare import _prepare
+
+    caplog.set_level(logging.INFO, logger="pipeline.progress")
+    s = config.validate(_cfg(_archive(tmp_path / "news.tar.gz")))
+    _prepare(s, 0)
+    said = [r.getMessage() for r in caplog.records if r.name == "pipeline.progress"]
+    assert [m.split(":")[1].strip().split(" ")[0] for m in said[:3]] == ["1/3", "2/3", "3/3"], said
+    assert "vocabulary: public, BPE to 280 tokens on 96 posts" in said[1] and said[3].startswith("preparing data: 3 phases done")
