@@ -296,6 +296,7 @@ def test_help_says_first_what_the_project_is(run_cli):
     first = proc.stdout.splitlines()[0]
     assert first.startswith("Experiments on differentially private attention: NoisyHead"), first
     assert "DPFormer" in proc.stdout.split("\n\n")[0] and "== Configuration groups ==" in proc.stdout
+    assert "experiment=lm_ci --help" in proc.stdout and "task: lm" in proc.stdout  # issue 63: the third task said
 
 
 @pytest.mark.parametrize("overrides", [[], ["experiment=dpformer_ci", "model=gru", "privacy.eps=3"]])
