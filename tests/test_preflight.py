@@ -214,10 +214,13 @@ def test_a_full_disk_under_the_store_or_the_output_is_refused_naming_the_key(tmp
 
 
 @pytest.mark.slow
-def test_a_store_on_a_real_full_disk_is_one_error_line_before_any_folder(run_cli, tmp_path):
+def test_a_store_on_a_real_full_disk_is_one_error_line_before_any_folder(tmp_path):
     """The issue's case for real: a small tmpfs filled to the last block holds the store (root only,
     where mounting is allowed; skipped elsewhere)."""
     import subprocess
+
+    import forkserver
+    from conftest import ROOT
 
     disk = tmp_path / "full"
     disk.mkdir()
@@ -226,7 +229,8 @@ def test_a_store_on_a_real_full_disk_is_one_error_line_before_any_folder(run_cli
         pytest.skip("cannot mount a small tmpfs here")
     try:
         subprocess.run(["dd", "if=/dev/zero", f"of={disk / 'fill'}", "bs=4k"], capture_output=True)
-        proc = run_cli("trials=2", f"mlflow.tracking_uri=sqlite:///{disk / 'mlflow.db'}", expect_ok=False)
+        proc = forkserver.run(["-m", "pipeline", "trials=2", f"mlflow.tracking_uri=sqlite:///{disk / 'mlflow.db'}",
+                               f"hydra.run.dir={tmp_path / 'run'}"], cwd=ROOT, timeout=300)
     finally:
         subprocess.run(["umount", str(disk)], capture_output=True)
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
