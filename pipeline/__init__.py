@@ -1,6 +1,6 @@
 """Differentially private attention: three tasks (NoisyHead, pipeline/noisyhead/; DPFormer, pipeline/seqrec/;
 DP language modelling, pipeline/lm/)
-on shared machinery (this package's modules; README, "Layout")."""
+on shared machinery (this package's modules; docs/layout.md)."""
 
 import uuid
 

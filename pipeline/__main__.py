@@ -71,19 +71,20 @@ def _interrupted(stop: KeyboardInterrupt) -> None:
 
 
 if __name__ == "__main__":
-    from pipeline.overrides import other_tasks_group, repeated, unknown_choice, unknown_key
+    from pipeline import usage
+    from pipeline.overrides import other_tasks_group, repeated, subfolder, syntax, unknown_choice, unknown_key
 
     argv = sys.argv[1:]
-    for warning in repeated(argv):
-        print(f"warning: {warning}", file=sys.stderr)
-    if (message := unknown_choice(argv) or other_tasks_group(argv) or unknown_key(argv)) is not None:
+    if (message := syntax(argv) or repeated(argv) or unknown_choice(argv) or other_tasks_group(argv)
+            or unknown_key(argv)) is not None:
         print(f"error: {message}", file=sys.stderr)
         sys.exit(2)
-    from pipeline import usage
-
     if usage.wanted(argv):  # Hydra's page, without Hydra's second or two of listing groups
         usage.main(argv)
         sys.exit(0)
+    if (message := subfolder()) is not None:  # a second store and outputs/ inside the checkout
+        print(f"error: {message}", file=sys.stderr)
+        sys.exit(2)
     if signal.getsignal(signal.SIGINT) == signal.SIG_DFL:  # set above (ignored by a shell's background job: left so)
         signal.signal(signal.SIGINT, signal.default_int_handler)  # from here Ctrl-C raises: runs end KILLED
     try:

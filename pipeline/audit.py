@@ -55,12 +55,11 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
-    from pipeline.overrides import other_tasks_group, repeated, unknown_choice
+    from pipeline.overrides import other_tasks_group, repeated, subfolder, syntax, unknown_choice
 
     argv = sys.argv[1:]
-    for warning in repeated(argv):
-        print(f"warning: {warning}", file=sys.stderr)
-    if (message := unknown_choice(argv) or other_tasks_group(argv)) is not None:
+    if (message := syntax(argv, sweeps=False) or repeated(argv) or unknown_choice(argv)
+            or other_tasks_group(argv) or subfolder()) is not None:
         print(f"error: {message}", file=sys.stderr)
         sys.exit(2)
     main()

@@ -5,7 +5,7 @@ matplotlib: millions of objects that live as long as the process. CPython's coll
 object it tracks at each full collection, which the imports' own allocations set off again and again,
 and it walks them once more in the interpreter's collections at exit. Of one fresh process that does
 only what a small cell cannot skip, that was about two seconds of 5.5 (``benchmarks/startup.py``'s
-floor rows, README "Tests and start-up").
+floor rows, docs/tests.md).
 
 ``hold`` (``python -m pipeline``, a single run) turns the collector off for the start-up. ``release``,
 when the cell's MLflow run begins (``pipeline.tracking.run``), freezes every object that exists then

@@ -9,7 +9,7 @@ machine does not have, or a device the task cannot run on.
 ``configure`` applies the precision and reproducibility settings before a cell computes:
 ``compute.tf32`` (off by default: matmuls in full float32) and, on CUDA, torch's deterministic
 algorithms where it has them (``warn_only``: an operation without one warns instead of failing;
-README lists what that leaves run-to-run variable). On the CPU nothing changes: a CPU run's numbers
+docs/running.md, "GPUs", lists what that leaves run-to-run variable). On the CPU nothing changes: a CPU run's numbers
 are those of a build without this module.
 """
 

@@ -6,15 +6,17 @@ multi-line message and exit status 1; the pipeline's rule for bad input is one `
 naming the key and value and exit status 2. The choice check covers plain choices, lists
 (``'method=[ridge,nosuch]'``) and sweeps (``model=gru,nosuch``) of every group folder in
 ``conf/`` and the tasks' ``conf/<task>/`` (the search path: ``pipeline.tasks.conf_dirs``); the key
-check composes the sweep's first cell. Anything else (``+group=...``, interpolations, a
-``hydra/...`` group or ``hydra.*`` key, a syntax error) is left to Hydra, which still refuses what
-is wrong.
+check composes the sweep's first cell. An override Hydra cannot read, a sweep without ``-m``
+(``syntax``) and a key given twice with two values (``repeated``) are refused first. Anything else
+(``+group=...``, interpolations, a ``hydra/...`` group or ``hydra.*`` key) is left to Hydra, which
+still refuses what is wrong.
 """
 
 from __future__ import annotations
 
 import difflib
 import re
+from pathlib import Path
 from typing import Sequence
 
 from pipeline import tasks
@@ -140,24 +142,72 @@ def other_tasks_group(argv: Sequence[str]) -> str | None:
     return None
 
 
-def repeated(argv: Sequence[str]) -> list[str]:
-    """A warning for each key or group given more than once (``privacy.eps=0.5 privacy.eps=0.2``):
-    Hydra takes the last without a word; scripts that append overrides rely on that, so it is kept
-    and said."""
+def repeated(argv: Sequence[str]) -> str | None:
+    """The error message for the first key or group given twice with different values
+    (``privacy.eps=0.5 privacy.eps=0.2``, ``model=dpformer model=transformer``), or None. Hydra takes
+    the last without a word, so a sweep launched that way ran cells nobody asked for; the same
+    override twice changes nothing and passes."""
     seen: dict[str, str] = {}
-    warnings = []
     for arg in argv:
         key, sep, _ = arg.partition("=")
         if not sep or arg.startswith("-"):
             continue
         key = key.lstrip("+~")
         if key in seen and seen[key] != arg:
-            warnings.append(f"{key} is given twice ({seen[key]}, then {arg}): the last, {arg}, is used")
+            return (f"{key} is given twice ({seen[key]}, then {arg}): give it once (several values are a sweep: "
+                    f"{key}=a,b with -m)")
         seen[key] = arg
-    return warnings
+    return None
+
+
+def syntax(argv: Sequence[str], sweeps: bool = True) -> str | None:
+    """The error message for the first override Hydra cannot read (``privacy.eps=[0.2``, ``foo``), or
+    for a sweep (``privacy.eps=0.2,0.5``, ``range(1,3)``) without ``-m``, or None: Hydra's own text is
+    several lines and exit status 1. ``sweeps=False``: an entry point that runs one config (the
+    audit), where a sweep is refused whatever the flags. Command lines with other flags than ``-m``
+    are left to Hydra."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    if any(a.startswith("-") and a not in FLAGS for a in argv):
+        return None
+    multirun = sweeps and any(a in FLAGS for a in argv)
+    parser = OverridesParser.create()
+    for arg in (a for a in argv if a not in FLAGS):
+        try:
+            override = parser.parse_override(arg)
+        except Exception as err:  # noqa: BLE001 -- Hydra's parse errors (HydraException and its subclasses)
+            said = (str(err).strip().splitlines() or ["no message"])[-1]
+            return (f"{arg}: Hydra cannot read this override ({said}): write key=value; a list key=[a,b]; a value "
+                    f"with spaces, commas or brackets in quotes: key='a, b'")
+        if override.is_sweep_override() and not multirun:
+            key = override.get_key_element()
+            if not sweeps:
+                return (f"{arg}: {key} is given several values, and this command runs one config: give one value "
+                        f"(a list: {key}=[...]; a string with commas: {key}='...')")
+            return (f"{arg}: several values of {key} are a sweep: add -m to run one cell each (python -m pipeline ... "
+                    f"{arg} -m); a list is {key}=[...], a string with commas {key}='...'")
+    return None
 
 
 FLAGS = ("-m", "--multirun")  # the command-line flags the key check passes over; with any other, Hydra's to judge
+
+
+def checkout(folder: Path) -> bool:
+    """Whether ``folder`` is the root of a checkout of this project (its entry point and config)."""
+    return (folder / "pipeline" / "__main__.py").is_file() and (folder / "conf" / "config.yaml").is_file()
+
+
+def subfolder(cwd: Path | None = None) -> str | None:
+    """The error message for a command started in a folder inside a checkout (``cd docs && python -m
+    pipeline``), or None: the default MLflow store (``./mlflow.db``, ``./mlruns``), ``outputs/`` and the
+    data paths (``../shared/...``) are relative to the working directory, so such a run made a second
+    store and outputs there, and the UI's links opened whichever store a ``mlflow ui`` served."""
+    cwd = (cwd or Path.cwd()).resolve()
+    root = next((p for p in cwd.parents if checkout(p)), None)
+    if root is None or checkout(cwd):
+        return None
+    return (f"the working directory {cwd} is inside the repository {root}: run from its root (cd {root}), where the "
+            f"default MLflow store (mlflow.db, what `mlflow ui` started there shows), outputs/ and the data paths are")
 
 
 def _compose(config_name: str, overrides: list[str]):

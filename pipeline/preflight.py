@@ -121,19 +121,40 @@ def _job_output() -> tuple[Path, str]:
 
 # --- folders -------------------------------------------------------------------------------
 
+MIN_FREE = 16 * 2**20  # bytes a folder's disk must have free: a new MLflow store alone is about 1 MB
+
+
+def free_bytes(folder: Path) -> int | None:
+    """Bytes an unprivileged process may still write on ``folder``'s file system (None if unknown)."""
+    try:
+        st = os.statvfs(folder)
+    except (OSError, AttributeError):
+        return None
+    return st.f_bavail * st.f_frsize
+
+
 def _unwritable(path: str | Path) -> str | None:
-    """None when a file can be created in ``path`` or, if it does not exist yet, in its nearest
-    existing ancestor (where it will be created); else why not. Tries for real: permission bits
-    say nothing to root, nor about read-only or immutable file systems."""
+    """None when a file can be created and written in ``path`` or, if it does not exist yet, in its
+    nearest existing ancestor (where it will be created); else why not. Tries for real (permission
+    bits say nothing to root, nor about read-only or immutable file systems), with a block of data
+    (an empty file is still created on a full disk), and refuses a disk with less than ``MIN_FREE``
+    left: MLflow's store on a full disk failed with a database traceback, its folder left."""
     target = Path(path).expanduser().absolute()
     while not target.exists() and target != target.parent:
         target = target.parent
     if not target.is_dir():
         return f"{str(target)!r} is not a folder"
+    free = free_bytes(target)
+    if free is not None and free < MIN_FREE:
+        return (f"the disk under {str(target)!r} is full ({_size(free)} free, a run needs {MIN_FREE // 2**20} MB "
+                f"at least): free some space or choose a folder on another disk")
     try:
         fd, name = tempfile.mkstemp(prefix=".preflight-", dir=target)
-        os.close(fd)
-        os.unlink(name)
+        try:
+            os.write(fd, bytes(4096))  # a full disk (or quota) refuses the block, not the empty file
+        finally:
+            os.close(fd)
+            os.unlink(name)
     except OSError as err:
         return f"nothing can be written in {str(target)!r} ({err.strerror or err})"
     return None

@@ -1,6 +1,6 @@
 """A sweep's report: the summary table printed at the end of a sweep, its headline numbers, and
 ``report.html``, one self-contained page (figures embedded as base64 PNG) with the command, the
-config, the table, every figure and the cells' MLflow run ids."""
+config, the table, every figure and the cells' MLflow run ids, each a link to its run in the UI."""
 
 from __future__ import annotations
 
@@ -129,7 +129,8 @@ def write_html(path: Path, title: str, command: str, config_yaml: str, table: pd
                figures: Sequence[Path], runs: Sequence[tuple[str, str, dict]], parent: str | None = None,
                caption: str = "mean (sd) across trials, one row per cell in sweep order",
                swept: dict[str, list[str]] | None = None, tables: Sequence[tuple[str, pd.DataFrame]] = (),
-               captions: Mapping[str, str] | None = None) -> Path:
+               captions: Mapping[str, str] | None = None, links: Mapping[str, str] | None = None,
+               links_note: str | None = None) -> Path:
     """``report.html``: self-contained (every figure inlined), readable without a server. ``runs``:
     per cell, its name, MLflow run id and what it ran on (``Cell.finished``'s ``compute``): the
     cells table shows the device (its name, and the torch device: ``cuda:0``), the cell's
@@ -137,7 +138,9 @@ def write_html(path: Path, title: str, command: str, config_yaml: str, table: pd
     peak resident set). ``swept`` (``grid`` of the cells' overrides): the keys the cells vary, said
     above the config, which is the first cell's. ``tables``: more tables after the results, each
     with its caption (the paired gains and their verdicts); ``captions``: what a figure shows and
-    what its bars are, by the figure's file name."""
+    what its bars are, by the figure's file name. ``links``: run id -> its page in the MLflow UI
+    (``pipeline.sweep.run_links``): the cells' run ids (and the parent's) are links, said by
+    ``links_note``."""
     esc = html.escape
     parts = [
         "<!doctype html><html><head><meta charset='utf-8'>",
@@ -146,8 +149,14 @@ def write_html(path: Path, title: str, command: str, config_yaml: str, table: pd
         "pre{background:#f6f6f6;padding:8px;font-size:12px;white-space:pre-wrap;word-break:break-all}img{max-width:100%}</style></head><body>",
         f"<h1>{esc(title)}</h1>",
     ]
+    links = links or {}
+
+    def run_id_cell(run_id: str) -> str:
+        code = f"<code>{esc(run_id)}</code>"
+        return f"<a href='{esc(links[run_id], quote=True)}'>{code}</a>" if run_id in links else code
+
     if parent:
-        parts.append(f"{VOLATILE[0]}<p>MLflow parent run: <code>{esc(parent)}</code></p>{VOLATILE[1]}")
+        parts.append(f"{VOLATILE[0]}<p>MLflow parent run: {run_id_cell(parent)}</p>{VOLATILE[1]}")
     parts += [f"<h2>Command</h2><pre>{esc(command)}</pre>",
               f"<h2>Results</h2><p>{esc(caption)}</p>",
               table.to_html(index=False, escape=True, border=0, classes="results")]
@@ -161,12 +170,13 @@ def write_html(path: Path, title: str, command: str, config_yaml: str, table: pd
         parts.append(f"<figure><img alt='{esc(Path(fig).stem)}' src='data:image/png;base64,{data}'>"
                      f"<figcaption>{esc(said)}</figcaption></figure>")
     shown = [k for k in COMPUTE if any(compute.get(k) is not None for _, _, compute in runs)]
-    parts.append(f"<h2>Cells</h2>{VOLATILE[0]}<table class='runs'><tr><th>cell</th><th>MLflow run id</th>"
+    said = f"<p>{esc(links_note)}</p>" if links and links_note else ""
+    parts.append(f"<h2>Cells</h2>{VOLATILE[0]}{said}<table class='runs'><tr><th>cell</th><th>MLflow run id</th>"
                  + "".join(f"<th>{esc(COMPUTE[k])}</th>" for k in shown) + "</tr>")
     for name, run_id, compute in runs:
         where = {**compute, "device_name": f"{compute.get('device_name', '')} ({compute['device']})"
                  if compute.get("device") else compute.get("device_name")}
-        parts.append(f"<tr><td>{esc(name)}</td><td><code>{esc(run_id)}</code></td>"
+        parts.append(f"<tr><td>{esc(name)}</td><td>{run_id_cell(run_id)}</td>"
                      + "".join(f"<td>{esc(_compute_value(where.get(k)))}</td>" for k in shown) + "</tr>")
     parts += [f"</table>{VOLATILE[1]}", "<h2>Config</h2>", *_swept_note(swept), f"<pre>{esc(config_yaml)}</pre>", "</body></html>"]
     path = Path(path)

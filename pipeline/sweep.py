@@ -117,6 +117,16 @@ def _duration(seconds: float) -> str:
     return f"{seconds // 3600}h{seconds // 60 % 60:02d}m" if seconds >= 3600 else f"{seconds // 60}m{seconds % 60:02d}s"
 
 
+def report_links(config: DictConfig, cells: Cells) -> dict:
+    """``report.write_html``'s ``links`` (the finished cells' run pages in the MLflow UI, for the
+    cells table) and ``links_note`` (where they open: a local store's need ``mlflow ui`` started on it)."""
+    links = tracking.run_links(config, [r["run_id"] for r in cells.done])
+    note = None if tracking.ui_served(config) else (
+        f"Each run id links to its run in the MLflow UI at {config.mlflow.ui}, once it serves this store: "
+        f"mlflow ui --backend-store-uri {tracking.mlflow.get_tracking_uri()}")
+    return {"links": links, "links_note": note}
+
+
 def command() -> str:
     """The command line that started this process."""
     return "python -m pipeline " + " ".join(shlex.quote(a) for a in sys.argv[1:])

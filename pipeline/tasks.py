@@ -6,7 +6,7 @@
 ``pipeline/lm/``, set by the ``experiment=lm_*`` presets). Each entry names the module whose ``TASK`` implements
 ``pipeline.task.Task``, imported only when the task is used (a refused config does not wait
 for MLflow or torch to load), and the task's config groups, ``conf/<name>/`` (Hydra's search
-path: ``hydra_plugins/pipeline_sweeper/searchpath.py``). Adding a task: README, "Adding a task".
+path: ``hydra_plugins/pipeline_sweeper/searchpath.py``). Adding a task: docs/layout.md, "Adding a task".
 """
 
 from __future__ import annotations

@@ -125,11 +125,20 @@ def setup(cfg: DictConfig) -> None:
     MLflow's migrations are not safe when several processes open a fresh store at once."""
     if cfg.mlflow.tracking_uri:
         mlflow.set_tracking_uri(cfg.mlflow.tracking_uri)
-    with _store_lock(mlflow.get_tracking_uri()):
-        experiment = mlflow.set_experiment(cfg.mlflow.experiment)
-        kind = cfg.mlflow.get("experiment_kind")
-        if kind and experiment.tags.get(KIND_TAG) != kind:  # the UI opens the runs table, not the GenAI overview
-            mlflow.MlflowClient().set_experiment_tag(experiment.experiment_id, KIND_TAG, str(kind))
+    uri = mlflow.get_tracking_uri()
+    try:
+        with _store_lock(uri):
+            experiment = mlflow.set_experiment(cfg.mlflow.experiment)
+            kind = cfg.mlflow.get("experiment_kind")
+            if kind and experiment.tags.get(KIND_TAG) != kind:  # the UI opens the runs table, not the GenAI overview
+                mlflow.MlflowClient().set_experiment_tag(experiment.experiment_id, KIND_TAG, str(kind))
+    except Exception as err:
+        if "database or disk is full" not in str(err):
+            raise
+        # the disk filled after the preflight checked it: the entry point's one line (pipeline.__main__.full_disk)
+        import errno
+
+        raise OSError(errno.ENOSPC, "the MLflow store's disk is full", uri) from None
     reap(cfg)  # runs left RUNNING by a process of this host that was killed
 
 
@@ -239,6 +248,28 @@ def ui_address(cfg: DictConfig, run_id: str) -> str:
     if served:
         return page
     return f"{page}  (after: mlflow ui --backend-store-uri {mlflow.get_tracking_uri()})"
+
+
+def run_links(cfg: DictConfig, run_ids) -> dict[str, str]:
+    """Each run's page in the UI (``ui_address``'s link, without its note), for the sweep report's
+    cells table; a run the store cannot find gets none."""
+    if cfg.mlflow.tracking_uri:
+        mlflow.set_tracking_uri(cfg.mlflow.tracking_uri)
+    base, _ = _ui_base(cfg)
+    client = mlflow.MlflowClient()
+    links = {}
+    for run_id in run_ids:
+        try:
+            experiment = client.get_run(run_id).info.experiment_id
+        except Exception:  # noqa: BLE001 -- MLflow's "run not found": the id is shown without a link
+            continue
+        links[run_id] = f"{base}/#/experiments/{experiment}/runs/{run_id}?workflowType=machine_learning"
+    return links
+
+
+def ui_served(cfg: DictConfig) -> bool:
+    """Whether the store is a tracking server, whose own address the links open (else ``mlflow.ui``)."""
+    return _ui_base(cfg)[1]
 
 
 DISPLAY_DIGITS = 6  # significant digits of the headline metrics the runs table shows (results.csv keeps every digit)

@@ -77,6 +77,16 @@ def cfg_for():
     return make
 
 
+def merged(*overrides: str) -> list[str]:
+    """The overrides with each key once: a later value replaces an earlier one in its place (a base
+    list and a test's own values; the command line refuses a key given twice with two values)."""
+    out: dict[str, str] = {}
+    for arg in overrides:
+        key, sep, _ = arg.partition("=")
+        out[key.lstrip("+~") if sep and not arg.startswith("-") else arg] = arg
+    return list(out.values())
+
+
 @pytest.fixture
 def run_cli(tmp_path):
     """Run `python -m pipeline ...` into a temporary MLflow store and output folder (forked from a

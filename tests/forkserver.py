@@ -1,8 +1,8 @@
 """``python -m <module> args`` for the tests, as a child forked from a process that has already
 imported the heavy third-party packages (torch, MLflow, pandas, matplotlib, SciPy, Opacus, Hydra).
 
-Most of a refused command's or a tiny cell's seconds are those imports (README, "Tests and
-start-up"); the bad-input battery and the command-line tests launch about two hundred processes.
+Most of a refused command's or a tiny cell's seconds are those imports (docs/tests.md);
+the bad-input battery and the command-line tests launch about two hundred processes.
 Each child is still a process of its own, started as ``python -m`` starts one: its own working
 folder, environment, argument list, standard streams (files here), exit status, atexit handlers, and
 none of this project's modules imported (``pipeline`` is imported by the child, from its working

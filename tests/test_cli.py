@@ -5,7 +5,7 @@ import sys
 import mlflow
 import pandas as pd
 import pytest
-from conftest import ROOT, communicate_or_kill
+from conftest import ROOT, communicate_or_kill, merged
 
 from pipeline.noisyhead.evaluate import COLUMNS
 
@@ -92,7 +92,7 @@ def test_overrides_check_leaves_valid_and_non_group_values_alone():
 
 @pytest.mark.slow
 def test_sweep_groups_its_cells_and_draws_the_figure(run_cli):
-    run_cli(*TINY, "regime.N=40,60", "privacy.eps=0.5", "-m")
+    run_cli(*merged(*TINY, "regime.N=40,60"), "privacy.eps=0.5", "-m")
     sweep = run_cli.tmp / "sweep"
     results = pd.read_csv(sweep / "results.csv")
     assert len(results) == 2 * 4 and sorted(results["N"].unique()) == [40, 60]
@@ -296,6 +296,7 @@ def test_help_says_first_what_the_project_is(run_cli):
     first = proc.stdout.splitlines()[0]
     assert first.startswith("Experiments on differentially private attention: NoisyHead"), first
     assert "DPFormer" in proc.stdout.split("\n\n")[0] and "== Configuration groups ==" in proc.stdout
+    assert "experiment=lm_ci --help" in proc.stdout and "task: lm" in proc.stdout  # issue 63: the third task said
 
 
 @pytest.mark.parametrize("overrides", [[], ["experiment=dpformer_ci", "model=gru", "privacy.eps=3"]])
@@ -365,15 +366,40 @@ def test_a_key_added_beside_a_close_one_is_refused_and_a_new_one_is_added():
     assert unknown_key(["++privacy.eps=0.5"]) is None
 
 
-def test_a_key_given_twice_is_said_and_an_unknown_option_gets_the_closest():
+def test_a_key_given_twice_is_refused_and_an_unknown_option_gets_the_closest():
+    """Issue 63: a key or group given twice with two values ran the last (with a warning): a sweep
+    launched so ran cells nobody asked for. Now one error naming the key; the same override twice
+    changes nothing and passes."""
     from pipeline.overrides import repeated, unknown_choice
 
-    assert repeated(["privacy.eps=0.5", "trials=3", "privacy.eps=0.2"]) == [
-        "privacy.eps is given twice (privacy.eps=0.5, then privacy.eps=0.2): the last, privacy.eps=0.2, is used"]
-    assert repeated(["model=dpformer", "+model=transformer"])[0].startswith("model is given twice")
-    assert repeated(["trials=3", "trials=3", "-m", "regime.N=1,2"]) == []  # the same twice changes nothing
+    assert repeated(["privacy.eps=0.5", "trials=3", "privacy.eps=0.2"]) == (
+        "privacy.eps is given twice (privacy.eps=0.5, then privacy.eps=0.2): give it once (several values are a "
+        "sweep: privacy.eps=a,b with -m)")
+    assert repeated(["model=dpformer", "model=transformer"]).startswith("model is given twice (model=dpformer, then ")
+    assert repeated(["model=dpformer", "+model=transformer"]).startswith("model is given twice")
+    assert repeated(["trials=3", "trials=3", "-m", "regime.N=1,2"]) is None  # the same twice changes nothing
     message = unknown_choice(["regime=lowdimm"])
     assert "options: ['highdim', 'lowdim'," in message and message.endswith("did you mean regime=lowdim?"), message
+
+
+@pytest.mark.parametrize("argv, start, fix", [
+    (["privacy.eps=0.2,0.5"], "privacy.eps=0.2,0.5: several values of privacy.eps are a sweep", "add -m"),
+    (["regime.N=range(1000,3000,1000)"], "regime.N=range(1000,3000,1000): several values of regime.N", "add -m"),
+    (["privacy.eps=[0.2"], "privacy.eps=[0.2: Hydra cannot read this override", "write key=value"),
+    (["trials"], "trials: Hydra cannot read this override (missing EQUAL", "write key=value"),
+    (["privacy.eps=0.2,", "-m"], "privacy.eps=0.2,: Hydra cannot read this override", "key='a, b'"),
+])
+def test_a_sweep_without_m_and_hydras_syntax_errors_are_one_line_with_the_fix(argv, start, fix):
+    """Issue 63: these exited 1 with Hydra's several lines; now one line naming the override, with
+    the fix. A sweep with -m, a list and a quoted string pass; other flags stay Hydra's."""
+    from pipeline.overrides import syntax
+
+    message = syntax(argv)
+    assert message.startswith(start) and fix in message, message
+    assert syntax(["privacy.eps=0.2,0.5", "-m"]) is None and syntax(["'method=[ridge,gd]'".strip("'")]) is None
+    assert syntax(["experiment_name='a,b'"]) is None and syntax(["--cfg", "job", "privacy.eps=[0.2"]) is None
+    one = syntax(["privacy.eps=0.2,0.5", "-m"], sweeps=False)  # the audit: one config, -m or not
+    assert one.startswith("privacy.eps=0.2,0.5: privacy.eps is given several values, and this command runs one config")
 
 
 def test_key_check_leaves_valid_keys_sweeps_and_additions_alone():
@@ -393,3 +419,36 @@ def test_key_check_leaves_valid_keys_sweeps_and_additions_alone():
     top = unknown_key(["trial=4"])  # a top-level key: the config's own keys listed (it said "( is not one either)")
     assert top.startswith("trial=4: trial is not a key of the config (the config has: attack, compute,"), top
     assert top.endswith("did you mean trials?"), top
+
+
+def test_a_command_started_inside_the_checkout_but_not_at_its_root_is_refused(tmp_path):
+    """Issue 63: `cd docs && python -m pipeline` made docs/mlflow.db, docs/mlruns and docs/outputs, a
+    second store the UI's links did not open. Inside a checkout only its root is accepted; outside any
+    checkout (a folder of one's own, the tests' temporary folders) the working directory is the user's."""
+    from pipeline.overrides import subfolder
+
+    assert subfolder(ROOT) is None
+    message = subfolder(ROOT / "docs")
+    assert message == (f"the working directory {ROOT / 'docs'} is inside the repository {ROOT}: run from its root "
+                       f"(cd {ROOT}), where the default MLflow store (mlflow.db, what `mlflow ui` started there shows), "
+                       "outputs/ and the data paths are")
+    assert subfolder(ROOT / "pipeline" / "lm") is not None and subfolder(tmp_path) is None
+    clone = tmp_path / "clone"  # another checkout (a DVC test's copy, a worktree): its own root is fine
+    (clone / "pipeline").mkdir(parents=True)
+    (clone / "conf").mkdir()
+    (clone / "pipeline" / "__main__.py").write_text("")
+    (clone / "conf" / "config.yaml").write_text("")
+    assert subfolder(clone) is None and str(clone) in subfolder(clone / "conf")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("module", ["pipeline", "pipeline.audit"])
+def test_from_a_subfolder_the_run_is_one_error_line_and_leaves_nothing_there(module):
+    import os
+    import subprocess
+
+    before = set(os.listdir(ROOT / "docs"))
+    proc = subprocess.run([sys.executable, "-m", module, "trials=2"], cwd=ROOT / "docs", capture_output=True, text=True,
+                          env=dict(os.environ, PYTHONPATH=str(ROOT)), timeout=300)
+    assert proc.returncode == 2 and proc.stderr.startswith("error: the working directory"), proc.stderr[-2000:]
+    assert len(proc.stderr.splitlines()) == 1 and set(os.listdir(ROOT / "docs")) == before

@@ -15,6 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import forkserver
+from conftest import merged
 import numpy as np
 import pytest
 
@@ -88,10 +89,10 @@ CASES = {
     "seqrec_C_inf": ((*DPF, "clipping.C=inf"), "clipping.C", "inf"),
     "seqrec_lr_inf": ((*DPF, "seqrec.lr=inf"), "seqrec.lr", "inf"),
     "seqrec_weight_decay_inf": ((*DPF, "seqrec.weight_decay=inf"), "seqrec.weight_decay", "inf"),
-    "seqrec_L_huge": ((*DPF, "dataset.L=100000"), "dataset.L", "100000"),
+    "seqrec_L_huge": (merged(*DPF, "dataset.L=100000"), "dataset.L", "100000"),
     # checks that used to fail (a traceback and a folder) instead of refusing
-    "seqrec_n_users_zero": ((*DPF, "dataset.n_users=0"), "dataset.n_users", "0"),
-    "seqrec_n_users_text": ((*DPF, "dataset.n_users=abc"), "dataset.n_users", "'abc'"),
+    "seqrec_n_users_zero": (merged(*DPF, "dataset.n_users=0"), "dataset.n_users", "0"),
+    "seqrec_n_users_text": (merged(*DPF, "dataset.n_users=abc"), "dataset.n_users", "'abc'"),
     "seqrec_eps_removed": ((*DPF, "~privacy.eps"), "privacy.eps", "~privacy.eps"),
     "seqrec_bare_task": (("task=seqrec",), "model", "task=seqrec"),
     "group_null": (("regime=null",), "regime=null", "~regime"),
@@ -130,6 +131,15 @@ CASES = {
     "seqrec_eps_huge": ((*DPF, "privacy.eps=1e308"), "privacy.eps", "1e+308"),
     "seqrec_delta_underflows": ((*DPF, "privacy.delta=5e-324"), "privacy.eps", "privacy.delta = 5e-324"),
     "seqrec_memory_of_the_model": ((*DPF, "model.d=100000", "model.heads=1"), "model.d", "100000"),
+    # issue 63: what exited 1 with Hydra's text, ran what nobody asked for, or named the wrong key
+    "key_given_twice": (("privacy.eps=0.5", "privacy.eps=0.2"), "privacy.eps is given twice", "privacy.eps=0.2"),
+    "group_given_twice_in_a_sweep": (("experiment=dpformer_ci", "model=dpformer", "model=transformer", "-m"),
+                                     "model is given twice", "model=transformer"),
+    "sweep_without_m": (("privacy.eps=0.2,0.5",), "privacy.eps=0.2,0.5", "add -m"),
+    "override_syntax": (("privacy.eps=[0.2",), "privacy.eps=[0.2", "cannot read this override"),
+    "lm_public_vocabulary_unreachable": (("experiment=lm_ci", "vocab=public", "vocab.size=50000"), "vocab.size",
+                                         "50000"),
+    "lm_memory_of_the_model": (("experiment=lm_ci", "model.d=100000", "model.heads=1"), "model.d", "100000"),
     # DPFormer: data files (SASRec's "user item" lines)
     **{f"seqrec_file_{name}": ((*FILE, f"dataset.path={{tmp}}/{name}.txt"), key, f"{name}.txt")
        for name, key in SEQREC_FILES.items()},

@@ -1,4 +1,4 @@
-"""The layout's rules (README, "Layout"): the shared machinery (``pipeline/*.py``, ``hydra_plugins/``)
+"""The layout's rules (docs/layout.md): the shared machinery (``pipeline/*.py``, ``hydra_plugins/``)
 imports no task package, no task imports another, and no module of the pipeline imports itself
 back through a circle. Read from the source (every ``import``, function-level ones included), so a
 late import cannot hide an edge."""

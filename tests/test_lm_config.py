@@ -62,3 +62,20 @@ def test_a_missing_group_is_named():
     del cfg["vocab"]
     with pytest.raises(ConfigError, match="^vocab: task=lm needs a vocab config"):
         config.settings(cfg)
+
+
+@pytest.mark.parametrize("changes, key, value", [
+    ({"model__d": 100000, "model__heads": 1}, "model.d", 100000),  # issue 63: 1.9 TB of parameters, not the batch
+    ({"train__batch_size": 100000}, "train.batch_size", 100000),  # the batch's logits
+    ({"train__eval_batch": 10**6}, "train.eval_batch", 10**6),  # the evaluation's logits
+])
+def test_the_memory_refusal_names_the_key_behind_the_largest_part(changes, key, value):
+    """A cell too large for the memory is refused naming what makes it large: the parameters (with
+    their gradient and Adam's moments) are a model's, which no batch size shrinks."""
+    from pipeline.lm import memory
+
+    need = memory.estimate(_cfg(**changes), "cpu")
+    largest = max(need.parts, key=need.parts.get)
+    assert (need.key, need.value) == (key, value), (need.key, largest)
+    if key == "model.d":
+        assert largest.startswith("parameters") and need.parts[largest] > 1e12 and "lower model.d" in need.advice

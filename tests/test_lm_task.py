@@ -42,7 +42,7 @@ def _cfg(archive, **changes):
     base = {"seed": 0,
             "dataset": {"name": "tiny", "archive": str(archive), "valid_fraction": 0.2, "posts": None,
                         "eval_posts": None, "L": 16},
-            "vocab": {"kind": "public", "size": 300, "eps_share": 0.0, "max_pieces": 8},
+            "vocab": {"kind": "public", "size": 280, "eps_share": 0.0, "max_pieces": 8},  # the 20 words allow about 290
             "model": {"d": 16, "layers": 1, "heads": 2, "tied": True, "dropout": 0.0},
             "clipping": {"name": "phantom", "C": 1.0},
             "train": {"batch_size": 20, "epochs": 1, "lr": 1e-2, "warmup": 0.1, "weight_decay": 0.0,
@@ -280,9 +280,46 @@ def test_a_vocabulary_larger_than_the_posts_allow_is_refused_and_the_bound_holds
     assert seen <= pieces
     most = 257 + sum(len(p) - 1 for p in seen)
     assert vocab.reachable(posts, most) is None and vocab.reachable(posts, most + 1) == most
-    with pytest.raises(ConfigError, match=rf"^vocab.size = {most + 1} is more than BPE can make from the 90 training "
-                                          rf"posts' pieces \(at most {most} tokens\)"):
+    with pytest.raises(ConfigError, match=rf"^vocab.size = {most + 1} is more than BPE makes from the 90 training "
+                                          rf"posts \(a public tokenizer of at most {most} tokens\)"):
         config.validate(_cfg(archive, vocab__size=most + 1, dataset__posts=90))  # the posts the cell would train on
-    assert config.validate(_cfg(archive, vocab__size=most, dataset__posts=90)).vocab_size == most
     config.validate(_cfg(archive, vocab__size=2000, vocab__kind="private", vocab__eps_share=0.5))  # not checked
     assert vocab.train_public(posts, most + 50).get_vocab_size() <= most
+
+
+def test_a_public_vocabulary_is_refused_at_the_size_bpe_really_reaches_and_the_cell_gets_that_tokenizer(tmp_path):
+    """Issue 63: the bound above is an upper bound (lm_ci with vocab.size=50000 passed it and trained
+    19,204 tokens). The exact size is the trained tokenizer's: every size up to it is accepted and
+    gives that many tokens, the next one is refused naming vocab.size and the size reached, and the
+    cell's preparation uses the tokenizer the validation trained (no second training)."""
+    from pipeline.lm import prepare, streams, vocab
+
+    archive = _archive(tmp_path / "news.tar.gz")
+    posts = data.split(data.read(archive), valid_fraction=0.2, seed=streams.seed_of(0, "split")).train[:90]
+    bound = 257 + sum(len(p) - 1 for p in {p for post in posts for p in vocab.pieces(post)})
+    reached = vocab.train_public(posts, bound).get_vocab_size()
+    assert reached <= bound and vocab.public_size(posts, reached) is None and vocab.public_size(posts, reached + 1) == reached
+    if reached < bound:  # the case the issue met: the bound passes, BPE stops short
+        assert vocab.reachable(posts, reached + 1) is None
+    s = config.validate(_cfg(archive, vocab__size=reached, dataset__posts=90))
+    assert prepare._prepare(s, s.seed).V == reached
+    assert prepare._prepare(s, s.seed).tokenizer is vocab.train_public(posts, reached)  # validation's, reused
+    with pytest.raises(ConfigError, match=rf"^vocab.size = {reached + 1} is more than BPE makes from the 90 training "
+                                          rf"posts \(a public tokenizer of at most {reached} tokens\): use "
+                                          rf"vocab.size={reached} or less"):
+        config.validate(_cfg(archive, vocab__size=reached + 1, dataset__posts=90))
+
+
+def test_the_data_preparation_says_each_phase(tmp_path, caplog):
+    """Issue 63: a language-model cell printed nothing while it read the posts, trained the vocabulary
+    and encoded the rows; each phase is now a line (off a terminal) with the time so far."""
+    import logging
+
+    from pipeline.lm.prepare import _prepare
+
+    caplog.set_level(logging.INFO, logger="pipeline.progress")
+    s = config.validate(_cfg(_archive(tmp_path / "news.tar.gz")))
+    _prepare(s, 0)
+    said = [r.getMessage() for r in caplog.records if r.name == "pipeline.progress"]
+    assert [m.split(":")[1].strip().split(" ")[0] for m in said[:3]] == ["1/3", "2/3", "3/3"], said
+    assert "vocabulary: public, BPE to 280 tokens on 96 posts" in said[1] and said[3].startswith("preparing data: 3 phases done")

@@ -183,3 +183,57 @@ def test_a_locked_store_is_refused_not_read_as_a_fresh_one(tmp_path, cfg_for):
     (odd / "mlflow.db").write_bytes(db.read_bytes())
     cfg.mlflow.tracking_uri = f"sqlite:///{odd / 'mlflow.db'}"
     preflight.tracking_store(cfg)
+
+
+def test_a_full_disk_under_the_store_or_the_output_is_refused_naming_the_key(tmp_path, cfg_for, monkeypatch):
+    """Issue 63: on a full disk the store's probe created its empty file and passed; MLflow then failed
+    with a database traceback and the run's folder was left. Now the store and the folders are refused
+    naming their key: less than MIN_FREE free, or a block of data refused (a quota, a disk that fills)."""
+    import errno
+
+    cfg = cfg_for(f"mlflow.tracking_uri=sqlite:///{tmp_path / 'mlflow.db'}")
+    preflight.tracking_store(cfg)  # this disk has room
+    monkeypatch.setattr(preflight, "free_bytes", lambda folder: 4096)
+    with pytest.raises(ConfigError, match=rf"^mlflow.tracking_uri = 'sqlite:///{tmp_path}/mlflow.db': the MLflow store "
+                                          rf"cannot be written: the disk under '{tmp_path}' is full \(4.1 kB free"):
+        preflight.tracking_store(cfg)
+    with pytest.raises(ConfigError, match=r"^hydra.run.dir = .* cannot be written: the disk under .* is full"):
+        preflight.folder(tmp_path / "run", "hydra.run.dir")
+    monkeypatch.setattr(preflight, "free_bytes", lambda folder: None)  # unknown: the write decides
+    real_write = os.write
+
+    def full(fd, data):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(preflight.os, "write", full)
+    with pytest.raises(ConfigError, match=r"the MLflow store cannot be written: nothing can be written in .*"
+                                          r"\(No space left on device\)"):
+        preflight.tracking_store(cfg)
+    monkeypatch.setattr(preflight.os, "write", real_write)
+    assert not list(tmp_path.glob(".preflight-*"))  # the probes removed themselves
+
+
+@pytest.mark.slow
+def test_a_store_on_a_real_full_disk_is_one_error_line_before_any_folder(tmp_path):
+    """The issue's case for real: a small tmpfs filled to the last block holds the store (root only,
+    where mounting is allowed; skipped elsewhere)."""
+    import subprocess
+
+    import forkserver
+    from conftest import ROOT
+
+    disk = tmp_path / "full"
+    disk.mkdir()
+    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(disk)],
+                                           capture_output=True).returncode != 0:
+        pytest.skip("cannot mount a small tmpfs here")
+    try:
+        subprocess.run(["dd", "if=/dev/zero", f"of={disk / 'fill'}", "bs=4k"], capture_output=True)
+        proc = forkserver.run(["-m", "pipeline", "trials=2", f"mlflow.tracking_uri=sqlite:///{disk / 'mlflow.db'}",
+                               f"hydra.run.dir={tmp_path / 'run'}"], cwd=ROOT, timeout=300)
+    finally:
+        subprocess.run(["umount", str(disk)], capture_output=True)
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert proc.returncode == 2 and len(errors) == 1 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert errors[0].startswith("error: mlflow.tracking_uri = ") and "is full" in errors[0], errors[0]
+    assert not (tmp_path / "run").exists()

@@ -15,6 +15,7 @@ from omegaconf import OmegaConf
 from hydra_plugins.pipeline_sweeper.validating_sweeper import swept_keys
 from pipeline import plot, report, sweep, tracking
 from pipeline.noisyhead import cell
+from pipeline.task import Cells
 
 
 def rows(cells):
@@ -288,3 +289,33 @@ def test_series_of_one_method_share_its_colour_but_not_their_look_and_the_legend
 
     fig = legends[-1].figure
     assert legends[-1].get_window_extent(FigureCanvasAgg(fig).get_renderer()).width <= fig.bbox.width
+
+
+def test_the_reports_run_ids_link_to_their_runs_in_the_ui_as_the_printed_link_does(tmp_path):
+    """Issue 63: report.html listed each cell's run id as text. Each is now a link to the run's page,
+    the address ``ui_address`` prints for it (the printed link worked); the note says where it opens;
+    a run the store does not hold keeps its id as text; the copy DVC hashes drops them with the ids."""
+    store = f"sqlite:///{tmp_path / 'm.db'}"
+    cfg = OmegaConf.create({"mlflow": {"tracking_uri": store, "experiment": "e", "ui": "http://127.0.0.1:5000"}})
+    client = mlflow.MlflowClient(tracking_uri=store)
+    client.create_experiment("other")  # the cells' experiment is not the first: its id is read from each run
+    experiment = client.create_experiment("e")
+    ids = [client.create_run(experiment).info.run_id for _ in range(2)]
+    try:
+        links = tracking.run_links(cfg, [*ids, "0123456789abcdef"])
+        printed = [tracking.ui_address(cfg, i).split()[0] for i in ids]
+        note = sweep.report_links(cfg, Cells(done=[{"run_id": i} for i in ids]))["links_note"]
+    finally:
+        mlflow.set_tracking_uri(None)
+    assert [links[i] for i in ids] == printed and "0123456789abcdef" not in links
+    assert printed[0] == f"http://127.0.0.1:5000/#/experiments/{experiment}/runs/{ids[0]}?workflowType=machine_learning"
+    assert note.endswith(f"mlflow ui --backend-store-uri {store}")
+    table = pd.DataFrame({"N": [40]})
+    page = report.write_html(tmp_path / "r.html", "t", "python -m pipeline", "seed: 0\n", table, [],
+                             [("regime.N=40", ids[0], {}), ("regime.N=60", "0123456789abcdef", {})], parent=ids[1],
+                             links=links, links_note=note).read_text()
+    assert f"<td><a href='{links[ids[0]]}'><code>{ids[0]}</code></a></td>" in page
+    assert f"MLflow parent run: <a href='{links[ids[1]]}'><code>{ids[1]}</code></a>" in page
+    assert "<td><code>0123456789abcdef</code></td>" in page and "mlflow ui --backend-store-uri" in page
+    assert not re.search(r"src=['\"](?!data:)", page)  # links navigate; nothing is loaded from elsewhere
+    assert "href=" not in report.stable(page)

@@ -6,6 +6,7 @@ import re
 import mlflow
 import pandas as pd
 import pytest
+from conftest import merged
 
 from pipeline.validation import ConfigError
 from pipeline.seqrec import config as seqconfig
@@ -191,7 +192,7 @@ def test_presets_validate(cfg_for):
 def test_a_batch_larger_than_the_users_is_named_and_recorded_as_clamped(run_cli):
     """Poisson sampling cannot expect more users than there are: B becomes n_users (q = 1); the run
     says so and its results record the B that ran (not the one asked for)."""
-    proc = run_cli(*TINY, "seqrec.epochs=1", "seqrec.batch_size=100000")
+    proc = run_cli(*merged(*TINY, "seqrec.epochs=1", "seqrec.batch_size=100000"))
     assert "seqrec.batch_size = 100000 is more than the data set's 80 users" in proc.stdout + proc.stderr
     results = pd.read_csv(run_cli.tmp / "run" / "results.csv")
     assert set(results["batch_size"]) == {80}

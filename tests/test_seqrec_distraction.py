@@ -10,6 +10,7 @@ from pathlib import Path
 import forkserver
 import pytest
 import torch
+from conftest import merged
 from omegaconf import OmegaConf
 
 from pipeline.seqrec import distraction, train
@@ -180,7 +181,7 @@ def test_the_entry_point_logs_to_mlflow_and_writes_report_dir(tmp_path):
     ("distraction=null", "distraction: no such settings"),  # refused once Hydra made the folder: removed again
 ])
 def test_bad_settings_are_refused_before_any_folder(tmp_path, bad, key):
-    proc = cli(*TINY, bad, f"mlflow.tracking_uri=sqlite:///{tmp_path / 'mlflow.db'}", f"hydra.run.dir={tmp_path / 'run'}")
+    proc = cli(*merged(*TINY, bad), f"mlflow.tracking_uri=sqlite:///{tmp_path / 'mlflow.db'}", f"hydra.run.dir={tmp_path / 'run'}")
     assert proc.returncode == 2, proc.stderr[-2000:]
     lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
     assert len(lines) == 1 and lines[0].startswith("error: ") and key in lines[0], proc.stderr

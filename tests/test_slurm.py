@@ -19,7 +19,7 @@ from pathlib import Path
 import forkserver
 import pandas as pd
 import pytest
-from conftest import communicate_or_kill
+from conftest import communicate_or_kill, merged
 
 # One test cluster for the module, whose tests check that its queue ends empty: under pytest-xdist
 # they all run on one worker (--dist loadgroup), never beside each other.
@@ -89,7 +89,7 @@ def launch(args, folder: Path, store: str, conf: str, log: Path | None = None) -
     (to be read while it runs)."""
     runs(store)  # create the store's tables before the sweep does: two processes creating them at once break it
     env = dict(os.environ, PYTHONWARNINGS="ignore", SLURM_CONF=conf)
-    cmd = [sys.executable, "-m", "pipeline", *SLURM, *args, f"hydra.sweep.dir={folder}",
+    cmd = [sys.executable, "-m", "pipeline", *merged(*SLURM, *args), f"hydra.sweep.dir={folder}",
            f"mlflow.tracking_uri={store}", "-m"]
     if log is None:
         return subprocess.Popen(cmd, cwd=ROOT, env=env, text=True, start_new_session=True, stdout=subprocess.PIPE,

@@ -16,7 +16,7 @@ import mlflow
 import pandas as pd
 import pytest
 
-from conftest import ROOT
+from conftest import ROOT, merged
 
 TINY = ["trials=2", "regime.N=40", "dataset.n_test=10", "compute.chunk_trials=2", "method=[ridge,noisyhead]"]
 ENV = dict(os.environ, PYTHONWARNINGS="ignore")
@@ -71,7 +71,7 @@ def test_failed_cell_resume_and_reuse_of_a_sweep_folder(tmp_path):
     store, sweep, report = f"sqlite:///{tmp_path / 'mlflow.db'}", tmp_path / "sweep", tmp_path / "report"
     common = [*TINY, f"mlflow.tracking_uri={store}", f"hydra.sweep.dir={sweep}", f"report.dir={report}"]
 
-    proc = cli(*common, "regime.N=40,60", "-m", code=FAIL_AT_60)
+    proc = cli(*merged(*common, "regime.N=40,60"), "-m", code=FAIL_AT_60)
     assert proc.returncode == 1, proc.stderr[-3000:]
     [line] = error_lines(proc)
     assert "1 of 2 cells failed" in line and "regime.N=60" in line
@@ -87,7 +87,7 @@ def test_failed_cell_resume_and_reuse_of_a_sweep_folder(tmp_path):
     experiment = client.get_experiment_by_name("noisyhead-icl").experiment_id
     stale = client.create_run(experiment, tags={"kind": "cell", "sweep_dir": str(sweep.resolve())}).info.run_id
 
-    proc = cli(*common, "regime.N=40,60", "hydra.sweeper.resume=true", "hydra/launcher=joblib", "hydra.launcher.n_jobs=2",
+    proc = cli(*merged(*common, "regime.N=40,60"), "hydra.sweeper.resume=true", "hydra/launcher=joblib", "hydra.launcher.n_jobs=2",
                "-m")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert sorted(pd.read_csv(sweep / "results.csv")["N"].unique()) == [40, 60]
@@ -232,7 +232,7 @@ def test_sigkill_of_a_joblib_sweep_takes_its_workers_and_the_next_launch_ends_th
 def test_a_sweep_id_that_looks_like_a_number_still_matches_its_cells(run_cli, sweep_id):
     """A random hex id such as 6e123456 (about 3% of them) once reached the cells as the float inf,
     so the sweep found none of its cells and reported every one failed."""
-    proc = run_cli(*TINY, "regime.N=40,60", f"hydra.sweeper.sweep_id='{sweep_id}'", "-m")
+    proc = run_cli(*merged(*TINY, "regime.N=40,60"), f"hydra.sweeper.sweep_id='{sweep_id}'", "-m")
     results = pd.read_csv(run_cli.tmp / "sweep" / "results.csv")
     assert sorted(results["N"].unique()) == [40, 60], proc.stderr[-2000:]
     records = [json.loads(p.read_text()) for p in (run_cli.tmp / "sweep").glob("*/cell.json")]
@@ -245,7 +245,7 @@ def test_resume_reruns_a_cell_whose_results_were_damaged(tmp_path, damage):
     """A resumed sweep re-checks each finished cell's results.csv against the hash its cell recorded:
     a file cut mid-row or emptied since is run again, never silently dropped nor a crash."""
     store, sweep = f"sqlite:///{tmp_path / 'mlflow.db'}", tmp_path / "sweep"
-    common = [*TINY, f"mlflow.tracking_uri={store}", f"hydra.sweep.dir={sweep}", "regime.N=40,60"]
+    common = merged(*TINY, f"mlflow.tracking_uri={store}", f"hydra.sweep.dir={sweep}", "regime.N=40,60")
     proc = cli(*common, "-m")
     assert proc.returncode == 0, proc.stderr[-3000:]
     whole = (sweep / "results.csv").read_bytes()

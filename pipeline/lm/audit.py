@@ -32,7 +32,7 @@ from typing import Callable
 import numpy as np
 import torch
 
-from pipeline import run_audit
+from pipeline import progress, run_audit
 from pipeline.canaries import DiracCanaries
 from pipeline.lm import examples, streams, train
 
@@ -191,12 +191,14 @@ def from_config(cfg):
               "batch_size": s.batch_size, "epochs": s.epochs, "posts": int(prep.rows.shape[0]), "V": prep.V,
               "L": s.L, "seed": s.seed, "accountant": s.accountant}
     rows = []
-    for variant, kind in variants:
-        rows.append(run(build, prep.rows, prep.mask, variant=variant, eps=eps, delta=delta, batch_size=s.batch_size,
-                        epochs=s.epochs, C=s.C, lr=s.lr, m=m[kind], seed=s.seed, canaries=kind,
-                        confidence=float(cfg.audit.confidence), power_factor=float(cfg.audit.power_factor),
-                        accountant=s.accountant, V=prep.V, eos_id=prep.eos_id, out=out / "runs", params=params))
-        print(run_audit.line(rows[-1]), flush=True)
+    with progress.Progress("audit", total=len(variants), unit="training") as bar:  # each variant a whole training
+        for variant, kind in variants:
+            bar.start(f"{variant}:{kind} (m = {m[kind]})")
+            rows.append(run(build, prep.rows, prep.mask, variant=variant, eps=eps, delta=delta, batch_size=s.batch_size,
+                            epochs=s.epochs, C=s.C, lr=s.lr, m=m[kind], seed=s.seed, canaries=kind,
+                            confidence=float(cfg.audit.confidence), power_factor=float(cfg.audit.power_factor),
+                            accountant=s.accountant, V=prep.V, eos_id=prep.eos_id, out=out / "runs", params=params))
+            bar.write(run_audit.line(rows[-1]))
     scale = (f"GPT-2 d = {s.d}, {s.layers} layers, {'tied' if s.tied else 'untied'}, V = {prep.V}, L = {s.L}, "
              f"{int(prep.rows.shape[0])} posts (and the input canaries, where named), B = {s.batch_size}, seed {s.seed}")
     return run_audit.publish(rows, out, cfg.get("report", {}).get("dir"), scale=scale, claimed_eps=eps)

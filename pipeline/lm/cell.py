@@ -63,11 +63,14 @@ def run(cfg: DictConfig, s: config.Settings) -> Path:
     if job is None:  # a resumed sweep: this folder holds the same cell, finished
         checkpoints.remove(out / checkpoints.NAME)  # left if the process died between its record and the removal
         return out / "results.csv"
+    log.info("cell: %s: preparing the data", cell_name(s))  # where a cell of seconds to hours stands
     prep = prepare(s, s.seed)  # the archive was read and checked by config.validate
     data_seconds = time.perf_counter() - start
     private = s.engine != "none" and math.isfinite(s.eps)
     run_plan = train.plan(n_posts=prep.rows.shape[0], batch_size=s.batch_size, epochs=s.epochs, eps=s.eps,
                           delta=s.delta, private=private, vocab_share=s.vocab_share, accountant=s.accountant)
+    log.info("data: %d training rows, V = %d (%.1f s); training: epochs %d, DP-SGD steps %d", prep.rows.shape[0],
+             prep.V, data_seconds, s.epochs, run_plan.steps)
     tracking.setup(cfg)
     tags = job.tags() | {"task": "lm", "dataset": cfg.dataset.name, "model": tying(s), "clipping": s.engine,
                          "vocab": vocab_label(s)}
@@ -120,6 +123,7 @@ def run(cfg: DictConfig, s: config.Settings) -> Path:
         tracking.log_metrics("train", {"seconds": seconds, "seconds_per_epoch": seconds / max(epochs, 1)})
         # the last epoch's validation is the trained model's (evaluated once, not twice); a run resumed
         # from a checkpoint of its last epoch has none in this process and evaluates it here
+        log.info("trained in %.1f s; evaluating on the validation and test posts and the unigram references", seconds)
         rows = last_valid or evaluate.model_rows(model, valid, bucket_of, s.eval_batch)
         rows += evaluate.model_rows(model, {"test": prep.splits["test"]}, bucket_of, s.eval_batch)
         dp_eps = (1 - s.vocab_share) * s.eps

@@ -190,10 +190,12 @@ def validate(cfg: DictConfig) -> Settings:
         raise ConfigError(f"train.batch_size = {s.batch_size} is more than the {s.posts or train} training posts")
     if s.posts is None:  # every training post: their count is the archive's
         calibrates(s, train)
-    # a public vocabulary only: the bound is read from the posts, which a private vocabulary may not do outside its
-    # mechanism (a private selection that releases fewer pieces gives a smaller vocabulary, logged as data.vocab_size)
-    most = None if s.vocab_kind == "private" else vocab.reachable(posts[: s.posts] if s.posts else posts, s.vocab_size)
+    # a public vocabulary only: its size is read from the posts (the tokenizer is trained here, once per process, and
+    # the cell uses it), which a private vocabulary may not do outside its mechanism (a private selection that
+    # releases fewer pieces gives a smaller vocabulary, logged as data.vocab_size)
+    most = None if s.vocab_kind == "private" else vocab.public_size(posts[: s.posts] if s.posts else posts, s.vocab_size)
     if most is not None:
-        raise ConfigError(f"vocab.size = {s.vocab_size} is more than BPE can make from the {s.posts or train} training "
-                          f"posts' pieces (at most {most} tokens): use a smaller vocab.size or more dataset.posts")
+        raise ConfigError(f"vocab.size = {s.vocab_size} is more than BPE makes from the {s.posts or train} training "
+                          f"posts (a public tokenizer of at most {most} tokens): use vocab.size={most} or less, "
+                          f"or more dataset.posts")
     return s

@@ -10,7 +10,10 @@
 - evaluation: one ``train.eval_batch`` of windows' logits, eval_batch L V floats;
 - ``per_sample``: every post's gradient, B x P floats (the reference's cost, B x V x d for the table).
 
-Vocabulary: ``vocab.size`` (a private selection may train fewer tokens: an upper bound).
+Vocabulary: ``vocab.size`` (a private selection may train fewer tokens: an upper bound). A refusal
+names the key behind the largest part: ``model.d`` where the parameters alone are most of it (no
+batch size makes a model of 100,000 dimensions fit), ``train.eval_batch`` for the evaluation's
+logits, else ``train.batch_size``.
 """
 
 from __future__ import annotations
@@ -42,5 +45,12 @@ def estimate(cfg: DictConfig, device: str) -> Memory:
              "evaluation logits": s.eval_batch * L * V * FLOAT}
     if s.engine == "per_sample":
         parts["per-post gradients"] = B * P * FLOAT
+    sizes = f"V = {V}, L = {L}, d = {d}, P = {P:,} parameters"
+    largest = max(parts, key=parts.get)  # the refusal names the key behind the largest part
+    if largest.startswith("parameters"):  # the model itself: no batch size makes it fit (model.d=100000: 1.9 TB)
+        return Memory(parts, "model.d", d, f"lower model.d, model.layers or vocab.size ({sizes})", device)
+    if largest == "evaluation logits":
+        return Memory(parts, "train.eval_batch", s.eval_batch,
+                      f"lower train.eval_batch, dataset.L or vocab.size ({sizes})", device)
     return Memory(parts, "train.batch_size", s.batch_size,
-                  f"lower train.batch_size, dataset.L or vocab.size (V = {V}, L = {L}, P = {P:,} parameters)", device)
+                  f"lower train.batch_size, dataset.L or vocab.size ({sizes})", device)

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from pipeline import progress
 from pipeline.lm import data, examples, streams, vocab
 
 
@@ -58,25 +59,29 @@ def prepare(s, seed: int) -> Prepared:
 
 
 def _prepare(s, seed: int) -> Prepared:
-    posts = data.split(data.read_cached(str(data.resolve(s.archive))), valid_fraction=s.valid_fraction,
-                       seed=streams.seed_of(seed, "split"))
-    train = posts.train[: s.posts] if s.posts else posts.train
-    valid = posts.valid[: s.eval_posts] if s.eval_posts else posts.valid
-    test = posts.test[: s.eval_posts] if s.eval_posts else posts.test
-    released = 0
-    if s.vocab_kind == "private":
-        cal = vocab.calibrate(eps=s.vocab_share * s.eps, delta=s.vocab_share * s.delta, max_pieces=s.max_pieces)
-        chosen = vocab.select(vocab.document_counts(train, s.max_pieces), cal,
-                              np.random.default_rng(streams.seed_of(seed, "vocab")))
-        released = len(chosen)
-        tokenizer = vocab.train_private(chosen, s.vocab_size)
-    else:
-        tokenizer = vocab.train_public(train, s.vocab_size)
-    eos = tokenizer.token_to_id(vocab.EOS)
-    train_ids = examples.encode(train, tokenizer, eos)
-    rows, mask = examples.training_rows(train_ids, s.L, eos)
-    splits = {name: examples.windows(examples.encode(texts, tokenizer, eos), s.L, eos)
-              for name, texts in (("valid", valid), ("test", test))}
+    with progress.Progress("preparing data", total=3) as bar:  # seconds to minutes: the vocabulary and the encoding
+        bar.start("posts: reading and splitting")
+        posts = data.split(data.read_cached(str(data.resolve(s.archive))), valid_fraction=s.valid_fraction,
+                           seed=streams.seed_of(seed, "split"))
+        train = posts.train[: s.posts] if s.posts else posts.train
+        valid = posts.valid[: s.eval_posts] if s.eval_posts else posts.valid
+        test = posts.test[: s.eval_posts] if s.eval_posts else posts.test
+        released = 0
+        bar.start(f"vocabulary: {s.vocab_kind}, BPE to {s.vocab_size} tokens on {len(train)} posts")
+        if s.vocab_kind == "private":
+            cal = vocab.calibrate(eps=s.vocab_share * s.eps, delta=s.vocab_share * s.delta, max_pieces=s.max_pieces)
+            chosen = vocab.select(vocab.document_counts(train, s.max_pieces), cal,
+                                  np.random.default_rng(streams.seed_of(seed, "vocab")))
+            released = len(chosen)
+            tokenizer = vocab.train_private(chosen, s.vocab_size)
+        else:
+            tokenizer = vocab.train_public(train, s.vocab_size)
+        bar.start(f"encoding: {len(train) + len(valid) + len(test)} posts into rows of L = {s.L}")
+        eos = tokenizer.token_to_id(vocab.EOS)
+        train_ids = examples.encode(train, tokenizer, eos)
+        rows, mask = examples.training_rows(train_ids, s.L, eos)
+        splits = {name: examples.windows(examples.encode(texts, tokenizer, eos), s.L, eos)
+                  for name, texts in (("valid", valid), ("test", test))}
     stats = {"train_posts": len(train), "valid_posts": len(valid), "test_posts": len(test),
              "train_targets": int(mask.sum()), "valid_targets": int(splits["valid"][1].sum()),
              "test_targets": int(splits["test"][1].sum()), "vocab_size": tokenizer.get_vocab_size(),

@@ -6,7 +6,7 @@ and noise are apart so that a tied and an untied cell of one seed (whose noise d
 number: the untied model has V d more coordinates) are trained on the same Poisson batches.
 
 As everywhere in the project, the seed is logged and every run replays bit for bit; the guarantee
-assumes the noise is secret (README, "Privacy assumptions": randomness).
+assumes the noise is secret (docs/privacy.md: randomness).
 """
 
 from __future__ import annotations

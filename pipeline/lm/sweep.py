@@ -250,7 +250,7 @@ def summarise(config: DictConfig, sweep_id: str, sweep_dir: Path, cells: sweep.C
                                 caption="test perplexity and accuracy, mean (sd) over seeds, each model at its learning "
                                         "rate selected on validation",
                                 swept=reporting.grid(overrides), tables=gain_tables(paired, buckets),
-                                captions=plot.CAPTIONS)
+                                captions=plot.CAPTIONS, **sweep.report_links(config, cells))
     artifacts.append(page)
     def key(setting: str) -> str:
         return f"{setting.replace(', ', '.').replace('=', '_')}." if setting else ""

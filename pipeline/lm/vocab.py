@@ -151,11 +151,33 @@ def train_private(released: dict[str, float], vocab_size: int):
     return _finish(tok)
 
 
+_PUBLIC: dict[tuple, object] = {}  # (posts, size) -> the trained tokenizer: validation trains it, the cell reuses it
+PUBLIC_KEPT = 8  # tokenizers kept per process (a sweep's seeds each split the posts their own way)
+
+
 def train_public(posts: list[str], vocab_size: int):
     """A byte-level BPE tokenizer trained on the posts themselves (``vocab=public``: the vocabulary
-    is treated as public, as the paper-style baselines do; no DP for it)."""
+    is treated as public, as the paper-style baselines do; no DP for it). Kept per process for the
+    same posts and size: the config's validation trains it to learn the size BPE reaches
+    (``public_size``), and the cell then uses the same tokenizer."""
     from tokenizers import Tokenizer, models
 
-    tok = _finish(Tokenizer(models.BPE()))
-    tok.train_from_iterator(posts, trainer=_trainer(vocab_size))
-    return tok
+    key = (tuple(posts), int(vocab_size))
+    if key not in _PUBLIC:
+        tok = _finish(Tokenizer(models.BPE()))
+        tok.train_from_iterator(posts, trainer=_trainer(vocab_size))
+        if len(_PUBLIC) >= PUBLIC_KEPT:
+            _PUBLIC.pop(next(iter(_PUBLIC)))
+        _PUBLIC[key] = tok
+    return _PUBLIC[key]
+
+
+def public_size(posts: list[str], size: int) -> int | None:
+    """None if a public tokenizer trained on ``posts`` holds ``size`` tokens, else how many it holds:
+    BPE stops when no two tokens of a piece are left to merge, and how many merges that allows
+    depends on their order, so the exact figure is the trained tokenizer's (seconds on every
+    training post; ``reachable``'s bound first, which refuses most sizes without training)."""
+    if (most := reachable(posts, size)) is not None:
+        return most
+    made = train_public(list(posts), size).get_vocab_size()
+    return None if made >= size else made

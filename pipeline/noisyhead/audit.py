@@ -29,7 +29,7 @@ import pandas as pd
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from pipeline import auditing, plot, tracking
+from pipeline import auditing, plot, progress, tracking
 from pipeline.noisyhead import config
 from pipeline.noisyhead.data import Problem
 from pipeline.noisyhead.features import Features
@@ -133,7 +133,7 @@ def run(cfg: DictConfig) -> pd.DataFrame:
     out = tracking.output_dir()
     out.mkdir(parents=True, exist_ok=True)
     tracking.setup(cfg)
-    rows = [audit_one(name, const, cfg, out) for name in names]
+    rows = [audit_one(name, const, cfg, out) for name in progress.steps("audit", names, unit="mechanism")]
     table = pd.DataFrame(rows)
     table.to_csv(out / "audit.csv", index=False)
     shown = table[["method", "eps", "delta", "noise_scale", "runs", "eps_lower", "eps_ceiling", "eps_power", "tpr", "fpr", "verdict"]]

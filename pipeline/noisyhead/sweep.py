@@ -57,7 +57,8 @@ def summarise(config: DictConfig, sweep_id: str, sweep_dir: Path, cells: sweep.C
     page = reporting.write_html(sweep_dir / "report.html", f"{name}: {len(cells.done)} cells, B = {config.trials}",
                                 sweep.command(), config_yaml, table, figs, runs,
                                 caption=f"{y.replace('_', ' ')}, mean (sd) across B = {config.trials} trials, one row "
-                                        f"per cell in sweep order", swept=reporting.grid(overrides))
+                                        f"per cell in sweep order", swept=reporting.grid(overrides),
+                                **sweep.report_links(config, cells))
     artifacts.append(str(page))
     shown = cell.headline_keys(config, [k for k, v in reporting.grid(overrides).items() if len(v) > 1])
     print(f"\n{name}: {y.replace('_', ' ')}, mean (sd) across B = {config.trials} trials\n"

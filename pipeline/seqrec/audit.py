@@ -50,7 +50,7 @@ import pandas as pd
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from pipeline import auditing, plot, privacy, rng, tracking, validation
+from pipeline import auditing, plot, privacy, progress, rng, tracking, validation
 from pipeline.validation import ConfigError
 from pipeline.seqrec import clipping, config, data, train
 from pipeline.clipping import PhantomClipping
@@ -232,7 +232,8 @@ def run(cfg: DictConfig) -> pd.DataFrame:
     out = tracking.output_dir()
     out.mkdir(parents=True, exist_ok=True)
     tracking.setup(cfg)
-    table = pd.DataFrame([audit_variant(v, cfg, seqs, D, D_, item, out) for v in variants])
+    table = pd.DataFrame([audit_variant(v, cfg, seqs, D, D_, item, out)
+                          for v in progress.steps("audit", variants, unit="variant")])
     table.to_csv(out / "audit.csv", index=False)
     shown = table[["method", "eps", "delta", "noise_scale", "runs", "canary_norm", "eps_true", "eps_lower",
                    "eps_ceiling", "eps_power", "verdict"]]

@@ -41,7 +41,7 @@ import numpy as np
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from pipeline import run_audit
+from pipeline import progress, run_audit
 from pipeline.canaries import DiracCanaries
 
 
@@ -208,9 +208,11 @@ def from_config(cfg: DictConfig):
               "batch_size": int(cfg.seqrec.batch_size), "epochs": int(cfg.seqrec.epochs), "users": seqs.n_users,
               "items": seqs.n_items, "L": seqs.L, "seed": int(cfg.seed), "accountant": str(cfg.seqrec.accountant)}
     rows = []
-    for variant, kind in variants:
-        rows.append(run(seqs, cfg, variant=variant, canaries=kind, m=m[kind], out=out / "runs", params=params))
-        print(run_audit.line(rows[-1]), flush=True)
+    with progress.Progress("audit", total=len(variants), unit="training") as bar:  # each variant a whole training
+        for variant, kind in variants:
+            bar.start(f"{variant}:{kind} (m = {m[kind]})")
+            rows.append(run(seqs, cfg, variant=variant, canaries=kind, m=m[kind], out=out / "runs", params=params))
+            bar.write(run_audit.line(rows[-1]))
     scale = (f"{name} (d = {cfg.model.d}, {'tied' if cfg.model.tied else 'untied'}), {cfg.clipping.name} clipping, "
              f"{seqs.n_users} users (and the input canaries, where named), {seqs.n_items} items, L = {seqs.L}, "
              f"B = {cfg.seqrec.batch_size}, {cfg.seqrec.epochs} epochs, seed {cfg.seed}")

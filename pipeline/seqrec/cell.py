@@ -57,9 +57,12 @@ def run(cfg: DictConfig) -> Path:
     dev = device.of(cfg)  # checked by pipeline.preflight: one the machine has
     device.configure(cfg, dev)
     start = time.perf_counter()
+    log.info("cell: %s: preparing the data", cell_name(cfg))  # where a cell of seconds to hours stands
     seqs = data.load(cfg.dataset, int(cfg.dataset.L), int(cfg.seed))  # a bad file is refused before any run
     data_seconds = time.perf_counter() - start
     run_plan = train.plan(cfg, seqs.n_users)
+    log.info("data: %d users, %d items (%.1f s); training: epochs %d, DP-SGD steps %d an epoch", seqs.n_users,
+             seqs.n_items, data_seconds, int(cfg.seqrec.epochs), run_plan.steps_per_epoch)
     if run_plan.batch_size < int(cfg.seqrec.batch_size):  # Poisson sampling cannot expect more users than there are
         log.warning("seqrec.batch_size = %d is more than the data set's %d users: the expected batch is %d (q = 1), "
                     "and the results record B = %d", cfg.seqrec.batch_size, seqs.n_users, run_plan.batch_size,
@@ -105,6 +108,7 @@ def run(cfg: DictConfig) -> Path:
         seconds = time.perf_counter() - t0
         ran = len(history.epoch) - history.resumed_from  # this launch's epochs (a resumed run: those after its checkpoint)
         tracking.log_metrics("train", {"seconds": seconds, "seconds_per_epoch": seconds / max(ran, 1)})
+        log.info("trained in %.1f s; evaluating on the validation and test users", seconds)
         rows = evaluate.run(model, seqs, cfg)
         peak = device.peak_memory_gb(dev)  # training's, validation's and the final evaluation's
         if peak is not None:

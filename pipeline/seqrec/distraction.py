@@ -301,9 +301,11 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    from pipeline.overrides import unknown_choice, unknown_key
+    from pipeline.overrides import repeated, subfolder, syntax, unknown_choice, unknown_key
 
-    if (message := unknown_choice(sys.argv[1:]) or unknown_key(sys.argv[1:], "distraction")) is not None:
+    argv = sys.argv[1:]
+    if (message := syntax(argv, sweeps=False) or repeated(argv) or unknown_choice(argv)
+            or unknown_key(argv, "distraction") or subfolder()) is not None:
         print(f"error: {message}", file=sys.stderr)
         sys.exit(2)
     main()

@@ -281,7 +281,8 @@ def summarise(config: DictConfig, sweep_id: str, sweep_dir: Path, cells: sweep.C
     page = reporting.write_html(sweep_dir / "report.html", f"{name}: {len(cells.done)} cells", sweep.command(),
                                 config_yaml, shown, figures, runs, caption=caption,
                                 swept=reporting.grid([r.get("overrides") or [] for r in cells.done]),
-                                tables=tables, captions=plot.captions(k))
+                                tables=tables, captions=plot.captions(k),
+                                **sweep.report_links(config, cells))
     artifacts.append(page)
     metrics = {f"{row.model.replace(f' ({NON_PRIVATE})', '.nonprivate')}.eps_{eps_label(row.eps)}.test_ndcg{k}":
                row._asdict()[f"ndcg{k}_mean"]

@@ -16,8 +16,8 @@ its model's private setting. An ablation the file does not list (``dpformer:pres
 runs at the setting of the model it ablates (it is not tuned on its own: an ablation changes one
 thing); any other model the file does not list is refused.
 
-Selecting on validation reads private data and is not charged in eps (README, "Privacy
-assumptions"); the paper selects on the test set.
+Selecting on validation reads private data and is not charged in eps (docs/privacy.md); the
+paper selects on the test set.
 """
 
 from __future__ import annotations
