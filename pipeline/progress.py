@@ -93,7 +93,8 @@ class Progress:
         if not self.done or not self.estimate:
             return f"{said} ({duration(self.elapsed())} so far)"
         each = self.elapsed() / self.done
-        return (f"{said} ({duration(self.elapsed())} so far, {duration(each)} a {self.unit}, "
+        article = "an" if self.unit[:1] in "aeiou" else "a"
+        return (f"{said} ({duration(self.elapsed())} so far, {duration(each)} {article} {self.unit}, "
                 f"about {duration(self.left())} left)")
 
     def start(self, label: str) -> None:

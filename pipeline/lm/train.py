@@ -22,7 +22,7 @@ from typing import Callable
 
 import torch
 
-from pipeline import checkpoints, dpsgd
+from pipeline import checkpoints, dpsgd, progress
 from pipeline.lm import engines, streams
 
 ADAM_BETAS = dpsgd.ADAM_BETAS
@@ -109,8 +109,10 @@ def run(model, rows: torch.Tensor, mask: torch.Tensor, run_plan: Plan, *, engine
             for e, loss in enumerate(history.loss, start=1):
                 valid = seen_valid.get(e, {})
                 on_epoch(e, {"loss": loss, **{f"valid_{k}": v for k, v in valid.items() if k != "epoch"}})
+    bar = progress.Progress("train", total=epochs - first + 1, unit="epoch")  # a line per epoch, with a rate and what is left
     for epoch in range(first, epochs + 1):
-        found = trainer.epoch()
+        bar.start(f"epoch {epoch}/{epochs}")
+        found = trainer.epoch(lambda done: bar.note(f"epoch {epoch}/{epochs}, step {done + 1}/{run_plan.steps}"))
         history.loss.append(found.loss)
         history.mean_norm.append(found.mean_norm)
         metrics = {"loss": history.loss[-1]}
@@ -123,4 +125,5 @@ def run(model, rows: torch.Tensor, mask: torch.Tensor, run_plan: Plan, *, engine
                                           "dpsgd": trainer.state_dict()})
         if on_epoch is not None:
             on_epoch(epoch, metrics)
+    bar.close()
     return history

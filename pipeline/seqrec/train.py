@@ -27,9 +27,8 @@ import numpy as np
 import pandas as pd
 import torch
 from omegaconf import OmegaConf
-from tqdm import tqdm
 
-from pipeline import dpsgd, privacy
+from pipeline import dpsgd, privacy, progress
 from pipeline.seqrec import checkpoint as checkpoints
 from pipeline.seqrec import clipping, models, reattention
 
@@ -222,11 +221,11 @@ def run(seqs, cfg, run_plan: Plan, on_epoch: Callable[[int, dict], None] | None 
         if on_epoch is not None:  # the restored epochs' metrics, for this run's record
             for epoch, metrics in history.metrics():
                 on_epoch(epoch, metrics)
-    bar = tqdm(total=run_plan.steps, initial=(first - 1) * run_plan.steps_per_epoch, desc="train", unit="step",
-               leave=False, disable=None)  # quiet off a terminal
+    epochs = int(train.epochs)
+    bar = progress.Progress("train", total=epochs - first + 1, unit="epoch")  # a line per epoch, with a rate and what is left
 
     def before_step(done: int) -> None:  # done: the steps taken before this one
-        bar.update()
+        bar.note(f"epoch {done // run_plan.steps_per_epoch + 1}/{epochs}, step {done + 1}/{run_plan.steps}")
         if adam_errs is not None:  # the noise the present parameters carry: e_(t-1), 0 before the first step
             model.set_uniform_errors(adam_errs[done - 1] if done else 0.0)
         if sampled:  # model.reattention.form=sampled: this step's draws
@@ -234,7 +233,7 @@ def run(seqs, cfg, run_plan: Plan, on_epoch: Callable[[int, dict], None] | None 
 
     for epoch in range(first, int(train.epochs) + 1):
         model.train()
-        bar.set_postfix_str(f"epoch {epoch}/{train.epochs}", refresh=False)
+        bar.start(f"epoch {epoch}/{epochs}")
         found = trainer.epoch(before_step)
         if adam_errs is not None:  # validation and, after the last epoch, evaluation: e_t after this epoch
             model.set_uniform_errors(adam_errs[epoch * run_plan.steps_per_epoch - 1])
