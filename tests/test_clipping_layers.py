@@ -206,3 +206,61 @@ def test_a_batch_free_table_is_refused_with_what_to_do():
     model.bias.requires_grad_(False)
     _, grads = brute_force(model, lambda m, b: m(b), torch.randn(4, 5, 3))
     PhantomClipping(model, C=1.0).step(lambda m, b: m(b), torch.randn(4, 5, 3))  # frozen: the rest runs
+
+
+def test_a_sublayer_whose_weights_its_parent_uses_directly_is_read_with_the_parent():
+    """Mamba's mixer never calls its conv1d: it reads ``self.conv1d.weight`` in its own forward. The
+    conv's parameters join the torch.func reading of the mixer's call (exact); a use of them outside
+    that call would still be refused by the guard."""
+
+    class Mixer(nn.Module):
+        def __init__(self, d=4):
+            super().__init__()
+            self.conv1d = nn.Conv1d(d, d, 3, groups=d, padding=2)
+            self.D = nn.Parameter(torch.randn(d))
+            self.out = nn.Linear(d, d)
+
+        def forward(self, h):  # (n, T, d)
+            T = h.shape[1]
+            c = F.conv1d(h.transpose(1, 2), self.conv1d.weight, self.conv1d.bias, padding=2, groups=h.shape[-1])
+            return self.out(F.silu(c[..., :T].transpose(1, 2)) + h * self.D)
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), Mixer(), nn.Linear(4, 1))
+    x = torch.randn(5, 6, 3)
+    loss_fn = lambda m, b: m(b).pow(2).sum((1, 2))  # noqa: E731
+    _, grads = brute_force(model, loss_fn, x)
+    _, norms = PhantomClipping(model, C=1.0).step(loss_fn, x)
+    torch.testing.assert_close(norms, norms_of(grads), rtol=1e-10, atol=1e-12)
+
+
+def test_a_layer_torch_func_cannot_vectorise_is_read_one_example_at_a_time():
+    """An autograd.Function without ``setup_context`` inside an unregistered layer: vmap refuses it, so
+    the layer is read one example at a time with torch.autograd (exact)."""
+
+    class Square(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            ctx.save_for_backward(x)
+            return x * x
+
+        @staticmethod
+        def backward(ctx, g):
+            (x,) = ctx.saved_tensors
+            return 2 * x * g
+
+    class Gate(nn.Module):
+        def __init__(self, d=4):
+            super().__init__()
+            self.w = nn.Parameter(torch.randn(d))
+
+        def forward(self, h):
+            return Square.apply(h * self.w)
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), Gate(), nn.Linear(4, 1))
+    x = torch.randn(5, 3)
+    loss_fn = lambda m, b: m(b).squeeze(-1) ** 2  # noqa: E731
+    _, grads = brute_force(model, loss_fn, x)
+    _, norms = PhantomClipping(model, C=1.0).step(loss_fn, x)
+    torch.testing.assert_close(norms, norms_of(grads), rtol=1e-10, atol=1e-12)

@@ -117,6 +117,20 @@ def _batch_size(batch: Any) -> int | None:
     return None
 
 
+class _ByAutograd:
+    """The reading of one call of a layer without a registered function (``functional.per_example``):
+    the call's arguments, detached, the element of a tuple output recorded, and the parameters to read
+    (None: the layer's own; ``_adopt`` adds those of sublayers its forward uses directly)."""
+
+    def __init__(self, args: tuple, kwargs: dict, which: int | None):
+        self.args = tuple(a.detach() if isinstance(a, torch.Tensor) else a for a in args)
+        self.kwargs = {k: v.detach() if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
+        self.which, self.names = which, None
+
+    def __call__(self, layer, x, g, n):
+        return functional.per_example(layer, self.args, self.kwargs, g, n, self.which, self.names)
+
+
 @dataclass
 class _Call:
     """One recorded call: its layer and the function that reads it, its input, the edge its output's
@@ -154,6 +168,7 @@ class PhantomClipping:
         self.sum_by, self.form, self.check = sum_by, form, check
         self.params = {id(p): (name, p) for name, p in model.named_parameters(remove_duplicate=True) if p.requires_grad}
         self._names = {m: name for name, m in model.named_modules(remove_duplicate=True)}  # for messages
+        self._parent = {child: m for m in self._names for child in m.children()}
         self.layers, self._how = self._layers()
         self._holders = {pid: [self._names[m] for m, ps in self.layers.items() if any(id(p) == pid for p in ps)]
                          for pid in self.params}
@@ -223,10 +238,7 @@ class PhantomClipping:
         tensors = [t for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor)]
         x = args[0] if args else next(iter(kwargs.values()))
         if fn == "autograd":
-            detached = ([a.detach() if isinstance(a, torch.Tensor) else a for a in args],
-                        {k: v.detach() if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()})
-            fn = lambda layer, x, g, n: functional.per_example(layer, tuple(detached[0]), detached[1], g, n,  # noqa: E731
-                                                              which)
+            fn = _ByAutograd(args, kwargs, which)
             x = next((t for t in tensors if t.dim() and t.shape[0] == out.shape[0]), x)  # the batch-first input
         noted = self._note(module, x, out, fn, tensors)
         if noted is out:
@@ -346,6 +358,7 @@ class PhantomClipping:
                               "by the whole batch (a bias table computed once, such as T5's relative-attention bias) "
                               "or laid out another way, so its gradient mixes the examples; compute it per example, "
                               "or freeze the layer's parameters (requires_grad=False)")
+        self._adopt(calls)
         guard.prove(_pair(get_gradient_edge(losses)), [c.proof for c in calls], self.params, self._holders)
         grads = torch.autograd.grad(losses.sum(), [c.edge for c in calls], retain_graph=keep_graph, allow_unused=True)
         uses: dict[int, list[Use]] = {}
@@ -381,6 +394,31 @@ class PhantomClipping:
             else:
                 stacks.append((pids, Stack.of([uses[pid][0] for pid in pids], key)))
         return stacks, alone
+
+    def _adopt(self, calls: list[_Call]) -> None:
+        """A layer not called in this forward pass whose parameters its parent uses directly (Mamba's
+        mixer reads its ``conv1d.weight``, never calling the conv): each such layer's parameters join the
+        torch.func reading of the nearest enclosing layer that was called and is read that way, which
+        then accounts for every use inside its calls (a use elsewhere is a path the guard refuses)."""
+        called = {c.module for c in calls}
+        silent = [m for m in self.layers if m not in called]
+        if not silent:
+            return
+        by_module: dict[nn.Module, list[_Call]] = {}
+        for c in calls:
+            if isinstance(c.fn, _ByAutograd):
+                by_module.setdefault(c.module, []).append(c)
+        for layer in silent:
+            up = self._parent.get(layer)
+            while up is not None and up not in by_module:
+                up = self._parent.get(up)
+            if up is None:
+                continue  # no enclosing call reads it: any use is one the guard refuses
+            prefix = self._names[layer][len(self._names[up]) + 1 if self._names[up] else 0:]
+            names = [f"{prefix}.{k}" for k, p in layer.named_parameters(recurse=False) if p.requires_grad]
+            for c in by_module[up]:
+                c.fn.names = (c.fn.names or [k for k, p in up.named_parameters(recurse=False) if p.requires_grad]) + names
+                c.proof.own = c.proof.own | {id(p) for p in self.layers[layer]}
 
     def _sq_norms(self, uses: dict[int, list[Use]], n: int, stacks=None) -> dict[int, torch.Tensor]:
         """Each parameter's per-example squared gradient norms, (n,), by parameter id."""

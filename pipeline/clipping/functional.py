@@ -102,25 +102,33 @@ def rounding(dtype: torch.dtype, terms: int) -> float:
     return 16 * torch.finfo(dtype).eps * math.sqrt(max(1, terms))
 
 
-def per_example(layer: nn.Module, args: tuple, kwargs: dict, g: torch.Tensor, n: int, which: int | None = None):
-    """[(parameter, Direct (n, 1, numel))] for each trainable parameter the layer holds itself: the
+def per_example(layer: nn.Module, args: tuple, kwargs: dict, g: torch.Tensor, n: int, which: int | None = None,
+                names: list[str] | None = None):
+    """[(parameter, Direct (n, P, Q))] for each trainable parameter the layer holds itself (or each of
+    ``names``, relative to the layer: also those of a sublayer its forward uses directly): the
     vector-Jacobian product of the layer's forward on each example's rows with that example's output
-    gradient, vectorised over the examples (``torch.func.vmap``). ``args``/``kwargs`` are the call's,
-    detached; a tensor whose leading dimension is the output's rows is split by example, any other
-    is shared (a (1, T) position table broadcast over the batch). ``which``: the recorded element of
-    a layer that returns a tuple. Each example's gradient of these parameters is materialised (n
-    times their size): exact, and as costly as Opacus's per-example gradients for that layer."""
+    gradient, vectorised over the examples (``torch.func.vmap``; one example at a time where vmap
+    cannot run the forward: an autograd.Function, a value read on the host). ``args``/``kwargs`` are
+    the call's, detached; a tensor whose leading dimension is the output's rows is split by example,
+    any other is shared (a (1, T) position table broadcast over the batch). ``which``: the recorded
+    element of a layer that returns a tuple. Each example's gradient of these parameters is
+    materialised (n times their size): exact, and as costly as Opacus's per-example gradients for
+    that layer. Checked: the examples' gradients add up to the batch's (a layer that mixes the
+    examples has no per-example gradient)."""
     from torch.func import functional_call, vjp, vmap
 
-    names = [k for k, p in layer.named_parameters(recurse=False) if p.requires_grad]
-    values = tuple(getattr(layer, k).detach() for k in names)
+    names = names or [k for k, p in layer.named_parameters(recurse=False) if p.requires_grad]
+    params = [layer.get_parameter(k) for k in names]
+    values = tuple(p.detach() for p in params)
     rows = g.shape[0]
     flat, spec = tree_flatten((args, kwargs))
     dims = [0 if isinstance(t, torch.Tensor) and t.dim() and t.shape[0] == rows else None for t in flat]
     per = [t.reshape(n, rows // n, *t.shape[1:]) if d == 0 else t for t, d in zip(flat, dims)]
+    gs = g.reshape(n, rows // n, *g.shape[1:])
 
     def pull(params, inputs, grad):
         a, k = tree_unflatten(list(inputs), spec)
+
         def forward(*v):
             out = functional_call(layer, dict(zip(names, v)), a, k)
             return out if which is None else out[which]
@@ -128,10 +136,24 @@ def per_example(layer: nn.Module, args: tuple, kwargs: dict, g: torch.Tensor, n:
         _, back = vjp(forward, *params)
         return back(grad)
 
+    def plain(inputs, grad):  # torch.autograd, not torch.func: any autograd.Function runs
+        a, k = tree_unflatten(list(inputs), spec)
+        leaves = [v.clone().requires_grad_(True) for v in values]
+        with torch.enable_grad():
+            out = functional_call(layer, dict(zip(names, leaves)), a, k)
+            out = out if which is None else out[which]
+            found = torch.autograd.grad(out, leaves, grad, allow_unused=True)
+        return tuple(torch.zeros_like(v) if f is None else f for v, f in zip(values, found))
+
     try:
-        grads = vmap(pull, in_dims=(None, dims, 0))(values, per, g.reshape(n, rows // n, *g.shape[1:]))
-        whole = pull(values, flat, g)  # the batch's gradient in one piece
-    except (RuntimeError, ValueError, TypeError) as error:
+        try:
+            grads = vmap(pull, in_dims=(None, dims, 0))(values, per, gs)
+            whole = pull(values, flat, g)  # the batch's gradient in one piece
+        except (RuntimeError, ValueError, TypeError, NotImplementedError):  # one example at a time
+            each = [plain([t[i] if d == 0 else t for t, d in zip(per, dims)], gs[i]) for i in range(n)]
+            grads = tuple(torch.stack(found) for found in zip(*each))
+            whole = plain(flat, g)
+    except (RuntimeError, ValueError, TypeError, NotImplementedError) as error:
         first = (str(error).strip().splitlines() or [type(error).__name__])[0]
         raise Unsupported(f"layer {type(layer).__name__} has no registered function, and torch.func could not run its "
                           f"forward one example at a time ({first}): register a function for it "
@@ -146,5 +168,5 @@ def per_example(layer: nn.Module, args: tuple, kwargs: dict, g: torch.Tensor, n:
                 "one example at a time do not add up to the batch's: its forward mixes the examples of a batch (or "
                 "draws randomness per call), so no per-example gradient exists; register a function for it "
                 "(pipeline.clipping.register) or freeze it")
-    return [(getattr(layer, k), Direct(grad=each.reshape(n, 1, -1) if each[0].dim() <= 1 else each.reshape(
-        n, each.shape[1], -1))) for k, each in zip(names, grads)]
+    return [(p, Direct(grad=each.reshape(n, 1, -1) if p.dim() <= 1 else each.reshape(n, p.shape[0], -1)))
+            for p, each in zip(params, grads)]
