@@ -264,3 +264,52 @@ def test_a_layer_torch_func_cannot_vectorise_is_read_one_example_at_a_time():
     _, grads = brute_force(model, loss_fn, x)
     _, norms = PhantomClipping(model, C=1.0).step(loss_fn, x)
     torch.testing.assert_close(norms, norms_of(grads), rtol=1e-10, atol=1e-12)
+
+
+def test_a_head_that_multiplies_by_its_decoders_weight_and_a_scaled_linear_are_exact():
+    """MobileBERT's prediction head holds the decoder's bias and multiplies by the (tied) decoder's
+    weight and a projection of width 0 without calling either: read with the head's call. A Linear
+    subclass with a logit scale of its own (a parameter its base's call does not take): the scale by
+    torch.func, the weight at the base's call."""
+
+    class Head(nn.Module):
+        def __init__(self, d, V):
+            super().__init__()
+            self.decoder = nn.Linear(d, V)
+            self.dense = nn.Linear(V, 0, bias=False)  # a width of 0, as MobileBERT's at its tiny size
+            self.bias = self.decoder.bias
+
+        def forward(self, h):
+            return h @ torch.cat([self.decoder.weight.t(), self.dense.weight], dim=0)[:h.shape[-1]] + self.bias
+
+    class ScaledLinear(nn.Linear):
+        def __init__(self, *a):
+            super().__init__(*a)
+            self.logit_scale = nn.Parameter(torch.tensor(0.8))
+
+        def forward(self, x):
+            return super().forward(x) * self.logit_scale
+
+    class Model(nn.Module):
+        def __init__(self, V=11, d=6):
+            super().__init__()
+            self.emb = nn.Embedding(V, d)
+            self.mid = ScaledLinear(d, d)
+            self.head = Head(d, V)
+            self.head.decoder.weight = self.emb.weight
+
+        def forward(self, ids):
+            return self.head(torch.tanh(self.mid(self.emb(ids))))
+
+    torch.manual_seed(0)
+    model = Model()
+    ids = torch.randint(0, 11, (5, 7), generator=torch.Generator().manual_seed(2))
+
+    def loss_fn(m, b):
+        return F.cross_entropy(m(b).transpose(1, 2), b, reduction="none").sum(1)
+
+    _, grads = brute_force(model, loss_fn, ids)
+    engine = PhantomClipping(model, C=1.0)
+    _, norms = engine.step(loss_fn, ids)
+    torch.testing.assert_close(norms, norms_of(grads), rtol=1e-10, atol=1e-12)
+    assert engine.ties() == {"emb.weight": ["emb", "head.decoder"]}

@@ -83,8 +83,8 @@ def _wide(t: torch.Tensor) -> torch.Tensor:
 def _shape(p: nn.Parameter) -> tuple[int, int]:
     """The (P, Q) a per-example gradient of ``p`` is handled as: a matrix as it is, a vector or a
     scalar as (1, Q)."""
-    if p.dim() <= 1:
-        return 1, max(1, p.numel())
+    if p.dim() <= 1 or p.numel() == 0:  # a vector, a scalar, or a parameter with no entries (a width of 0)
+        return 1, p.numel() if p.numel() == 0 else max(1, p.numel())
     return p.shape[0], p.numel() // p.shape[0]
 
 
@@ -122,12 +122,14 @@ class _ByAutograd:
     the call's arguments, detached, the element of a tuple output recorded, and the parameters to read
     (None: the layer's own; ``_adopt`` adds those of sublayers its forward uses directly)."""
 
-    def __init__(self, args: tuple, kwargs: dict, which: int | None):
+    def __init__(self, args: tuple, kwargs: dict, which: int | None, names: list[str] | None = None):
         self.args = tuple(a.detach() if isinstance(a, torch.Tensor) else a for a in args)
         self.kwargs = {k: v.detach() if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
-        self.which, self.names = which, None
+        self.which, self.names = which, names
 
     def __call__(self, layer, x, g, n):
+        if self.names == []:  # a host that adopted nothing: nothing to read
+            return []
         return functional.per_example(layer, self.args, self.kwargs, g, n, self.which, self.names)
 
 
@@ -169,6 +171,7 @@ class PhantomClipping:
         self.params = {id(p): (name, p) for name, p in model.named_parameters(remove_duplicate=True) if p.requires_grad}
         self._names = {m: name for name, m in model.named_modules(remove_duplicate=True)}  # for messages
         self._parent = {child: m for m in self._names for child in m.children()}
+        self._extra: dict[nn.Module, list[str]] = {}  # a subclass's parameters its base's call does not take
         self.layers, self._how = self._layers()
         self._holders = {pid: [self._names[m] for m, ps in self.layers.items() if any(id(p) == pid for p in ps)]
                          for pid in self.params}
@@ -181,7 +184,7 @@ class PhantomClipping:
             if how == "capture":
                 module.register_forward_pre_hook(self._enter)
                 module.register_forward_hook(self._leave, always_call=True)
-            else:
+            if how != "capture" or module in self._extra:
                 module.register_forward_hook(self._record, with_kwargs=True)
 
     def ties(self) -> dict[str, list[str]]:
@@ -205,7 +208,11 @@ class PhantomClipping:
                 continue
             inside = set(module.modules()) - {module}
             if all(any(h in inside for h in holders[id(p)]) for _, p in own):
-                continue  # each is also held by a layer inside it (BERT's head's bias is its decoder's): counted there
+                # each is also held by a layer inside it (BERT's head's bias is its decoder's): counted there. The
+                # module is still read by torch.func, for nothing of its own: a sublayer it uses without calling
+                # it (MobileBERT's head multiplies by its decoder's weight) is read with it (``_adopt``)
+                found[module], how[module] = [], "host"
+                continue
             kind = f"{type(module).__module__}.{type(module).__qualname__}"
             held = [f"{name}.{k}" if name else k for k, _ in own]
             if isinstance(module, MIXING):
@@ -218,6 +225,10 @@ class PhantomClipping:
             fn = lookup(module)
             if fn is None:  # a subclass of a registered type is read at its base's call; anything else by torch.func
                 fn = "capture" if functional.base_of(module) is not None else "autograd"
+            if fn == "capture":  # parameters the base's call does not take (a scale of its own) read by torch.func
+                extra = [k for k, p in own if k not in ("weight", "bias")]
+                if extra:
+                    self._extra[module] = extra
             found[module], how[module] = [p for _, p in own], fn
         return found, how
 
@@ -230,6 +241,8 @@ class PhantomClipping:
         if not (self._active and torch.is_grad_enabled()):
             return None
         fn, which = self._how[module], None
+        names = [] if fn == "host" else self._extra.get(module)
+        fn = "autograd" if fn in ("host", "capture") else fn
         if fn == "autograd" and isinstance(output, (tuple, list)):
             which = next((k for k, o in enumerate(output) if isinstance(o, torch.Tensor) and o.requires_grad), None)
         out = output if which is None else output[which]
@@ -238,7 +251,7 @@ class PhantomClipping:
         tensors = [t for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor)]
         x = args[0] if args else next(iter(kwargs.values()))
         if fn == "autograd":
-            fn = _ByAutograd(args, kwargs, which)
+            fn = _ByAutograd(args, kwargs, which, names)
             x = next((t for t in tensors if t.dim() and t.shape[0] == out.shape[0]), x)  # the batch-first input
         noted = self._note(module, x, out, fn, tensors)
         if noted is out:
@@ -362,20 +375,22 @@ class PhantomClipping:
         guard.prove(_pair(get_gradient_edge(losses)), [c.proof for c in calls], self.params, self._holders)
         grads = torch.autograd.grad(losses.sum(), [c.edge for c in calls], retain_graph=keep_graph, allow_unused=True)
         uses: dict[int, list[Use]] = {}
+        given: dict[nn.Module, set[int]] = {}
         for call, g in zip(calls, grads):
             shape, dtype = call.meta
             g = torch.zeros(shape, dtype=dtype, device=call.x.device) if g is None else g.reshape(shape)
-            module = call.module
-            given = call.fn(module, _wide(call.x), _wide(g.detach()), n)
-            missing = {id(p) for p in self.layers[module]} - {id(p) for p, _ in given if p is not None}
+            found = call.fn(call.module, _wide(call.x), _wide(g.detach()), n)
+            given.setdefault(call.module, set()).update(id(p) for p, _ in found if p is not None)
+            for p, use in found:
+                if p is not None and id(p) in self.params:
+                    uses.setdefault(id(p), []).append(use)
+        for module, got in given.items():
+            missing = {id(p) for p in self.layers[module]} - got
             if missing:  # a layer function that leaves out a parameter would count it as zero
                 left = [self.params[pid][0] for pid in missing if pid in self.params]
                 raise Unsupported(f"the function registered for {names.get(module, type(module).__name__)} gives no "
                                   f"per-example gradient for its trainable {left} (a parametrisation such as "
                                   "weight_norm?): register one that gives every parameter the layer holds")
-            for p, use in given:
-                if p is not None and id(p) in self.params:
-                    uses.setdefault(id(p), []).append(use)
         return {pid: merged(found) for pid, found in uses.items()}
 
     def _stacks(self, uses: dict[int, list[Use]]) -> tuple[list[tuple[list[int], Stack]], list[int]]:
@@ -417,7 +432,8 @@ class PhantomClipping:
             prefix = self._names[layer][len(self._names[up]) + 1 if self._names[up] else 0:]
             names = [f"{prefix}.{k}" for k, p in layer.named_parameters(recurse=False) if p.requires_grad]
             for c in by_module[up]:
-                c.fn.names = (c.fn.names or [k for k, p in up.named_parameters(recurse=False) if p.requires_grad]) + names
+                own = [k for k, p in up.named_parameters(recurse=False) if p.requires_grad]
+                c.fn.names = (own if c.fn.names is None else c.fn.names) + names
                 c.proof.own = c.proof.own | {id(p) for p in self.layers[layer]}
 
     def _sq_norms(self, uses: dict[int, list[Use]], n: int, stacks=None) -> dict[int, torch.Tensor]:

@@ -168,5 +168,5 @@ def per_example(layer: nn.Module, args: tuple, kwargs: dict, g: torch.Tensor, n:
                 "one example at a time do not add up to the batch's: its forward mixes the examples of a batch (or "
                 "draws randomness per call), so no per-example gradient exists; register a function for it "
                 "(pipeline.clipping.register) or freeze it")
-    return [(p, Direct(grad=each.reshape(n, 1, -1) if p.dim() <= 1 else each.reshape(n, p.shape[0], -1)))
-            for p, each in zip(params, grads)]
+    return [(p, Direct(grad=each.reshape(n, 1, p.numel()) if p.dim() <= 1 or p.numel() == 0
+                       else each.reshape(n, p.shape[0], -1))) for p, each in zip(params, grads)]
