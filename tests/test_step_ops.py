@@ -60,3 +60,32 @@ def test_an_epoch_of_dp_sgd_reads_nothing_on_the_host_until_it_ends():
     (one, launched_one), (five, launched_five) = reads(1), reads(5)
     assert launched_five > 3 * launched_one  # five steps ran
     assert five == one, (one, five)
+
+
+def test_the_documented_counts_are_the_committed_run():
+    """docs/running.md's table of launches and synchronisations is docs/step_ops.json's, row by row,
+    and meets the targets (Phantom at most 1.5x the non-private operators, no synchronisation)."""
+    import json
+
+    from conftest import ROOT
+
+    rows = {(r["shape"], r["step"]): r for r in json.loads((ROOT / "docs/step_ops.json").read_text())}
+    page = (ROOT / "docs/running.md").read_text()
+    for shape in ("amazon", "gpt2-small"):
+        plain, phantom = rows[shape, "non-private"], rows[shape, "phantom"]
+        assert phantom["ratio"] <= 1.5 and plain["syncs"] == phantom["syncs"] == 0
+        assert (f"| {shape} | {plain['launches']:,} | {phantom['launches']:,} | {phantom['ratio']:.2f}x | "
+                f"{plain['syncs']} / {phantom['syncs']} |") in page
+
+
+def test_the_documented_epoch_profile_is_the_committed_one():
+    """docs/running.md's DPFormer epoch profile quotes docs/dpformer_epoch_profile.json's seconds."""
+    import json
+
+    from conftest import ROOT
+
+    found = json.loads((ROOT / "docs/dpformer_epoch_profile.json").read_text())["seconds"]
+    page = " ".join((ROOT / "docs/running.md").read_text().split())
+    for key in found:
+        assert f"{found[key]:.1f} s" in page, key
+    assert found["reattention_variance"] > found["engine_uses"]  # the claim the paragraph makes
