@@ -555,8 +555,10 @@ def write_docs(path: Path, saved: dict) -> None:
 
 
 def _engine_commit() -> str:
-    """The commit the engine ran at, with ``+changes`` where pipeline/clipping differs from it."""
-    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
+    """The last commit that changed the engine (pipeline/clipping), with ``+changes`` where the files differ
+    from it."""
+    head = subprocess.run(["git", "log", "-1", "--format=%h", "--", "pipeline/clipping"], cwd=ROOT,
+                          capture_output=True, text=True)
     dirty = subprocess.run(["git", "status", "--porcelain", "pipeline/clipping"], cwd=ROOT, capture_output=True,
                            text=True)
     return (head.stdout.strip() or "unknown") + ("+changes" if dirty.stdout.strip() else "")
@@ -586,11 +588,13 @@ def main(argv: list[str] | None = None) -> list[dict]:
         import torch
         import transformers
 
-        start = time.monotonic()
+        start, engine = time.monotonic(), _engine_commit()
         rows = run_all(families(args.only), args.workers, args.timeout, args.chunk, _progress)
         rows.sort(key=lambda r: (r["model_type"], r["kind"]))
+        if _engine_commit() != engine:  # workers start afresh every --chunk families: they may have run both
+            engine = f"{engine} to {_engine_commit()}"
         saved = {"date": time.strftime("%Y-%m-%d"), "transformers": transformers.__version__,
-                 "torch": torch.__version__, "engine": _engine_commit(), "workers": args.workers,
+                 "torch": torch.__version__, "engine": engine, "workers": args.workers,
                  "minutes": round((time.monotonic() - start) / 60, 1), "summary": summary(rows), "rows": rows}
         if args.json:
             args.json.write_text(json.dumps(saved, indent=1) + "\n")

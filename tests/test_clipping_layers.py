@@ -313,3 +313,19 @@ def test_a_head_that_multiplies_by_its_decoders_weight_and_a_scaled_linear_are_e
     _, norms = engine.step(loss_fn, ids)
     torch.testing.assert_close(norms, norms_of(grads), rtol=1e-10, atol=1e-12)
     assert engine.ties() == {"emb.weight": ["emb", "head.decoder"]}
+
+
+def test_a_linear_subclass_that_multiplies_by_its_weight_itself_is_refused_saying_so():
+    """Falcon's FalconLinear is an nn.Linear whose forward computes ``x @ self.weight.T`` without
+    F.linear: no base call to read, so the guard refuses the weight, and says why and what to do
+    (not "outside its layers' calls": the use is inside the layer's own call)."""
+
+    class MatmulLinear(nn.Linear):
+        def forward(self, x):
+            return x @ self.weight.T + self.bias
+
+    model = nn.Sequential(nn.Linear(3, 4), MatmulLinear(4, 2))
+    with pytest.raises(Unsupported, match=r"parameter 1\.(weight|bias) is used by `\w+.*` where no call recorded it .* 1 "
+                                          r"is a MatmulLinear, a subclass of nn.Linear read where its forward calls "
+                                          r"F.linear on its weight, .* register a function for MatmulLinear"):
+        PhantomClipping(model, C=1.0).step(lambda m, b: m(b).pow(2).sum(-1), torch.randn(5, 3))

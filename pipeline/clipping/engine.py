@@ -175,6 +175,13 @@ class PhantomClipping:
         self.layers, self._how = self._layers()
         self._holders = {pid: [self._names[m] for m, ps in self.layers.items() if any(id(p) == pid for p in ps)]
                          for pid in self.params}
+        # a subclass read at its base's functional call, whose forward may compute with the weight otherwise
+        self._hints = {id(p): (f"{self._names[m]} is a {type(m).__name__}, a subclass of "
+                               f"{'nn.Embedding' if isinstance(m, nn.Embedding) else 'nn.Linear'} read where its forward "
+                               f"calls {'F.embedding' if isinstance(m, nn.Embedding) else 'F.linear'} on its weight, "
+                               "and it computed with its parameters another way (input @ weight.T, weight[ids]); register a "
+                               f"function for {type(m).__name__} (pipeline.clipping.register)")
+                       for m, how in self._how.items() if how == "capture" for p in self.layers[m]}
         self._calls: list[_Call] = []
         self._flat: dict = {}  # this forward pass: recorded output edges of calls on flattened rows -> leading size
         self._active = False
@@ -372,7 +379,7 @@ class PhantomClipping:
                               "or laid out another way, so its gradient mixes the examples; compute it per example, "
                               "or freeze the layer's parameters (requires_grad=False)")
         self._adopt(calls)
-        guard.prove(_pair(get_gradient_edge(losses)), [c.proof for c in calls], self.params, self._holders)
+        guard.prove(_pair(get_gradient_edge(losses)), [c.proof for c in calls], self.params, self._holders, self._hints)
         grads = torch.autograd.grad(losses.sum(), [c.edge for c in calls], retain_graph=keep_graph, allow_unused=True)
         uses: dict[int, list[Use]] = {}
         given: dict[nn.Module, set[int]] = {}

@@ -63,11 +63,11 @@ def _used_by(node, parent: dict) -> str:
     return ops[-1] if len(ops) == 1 else f"{ops[-1]} (through {', '.join(ops[:-1])})"
 
 
-def prove(root: tuple, calls: list[Call], params: dict, holders: dict) -> None:
+def prove(root: tuple, calls: list[Call], params: dict, holders: dict, hints: dict | None = None) -> None:
     """Walk the graph from ``root`` (the losses' autograd edge); raise ``Unsupported`` at the first
     path to a trainable parameter that no recorded call accounts for.
     ``params``: id -> (name, parameter) of the trainable parameters; ``holders``: id -> the names of
-    the layers holding it (for messages)."""
+    the layers holding it, ``hints``: id -> what else a refusal of it should say (for messages)."""
     at: dict[tuple, list[int]] = {}
     for k, call in enumerate(calls):
         at.setdefault(call.out, []).append(k)
@@ -102,12 +102,12 @@ def prove(root: tuple, calls: list[Call], params: dict, holders: dict) -> None:
             pid = id(variable)
             if pid in params and (inside is None or pid not in calls[inside].own):
                 raise _refusal(params[pid][0], holders.get(pid, []), up, parent,
-                               None if inside is None else calls[inside].name)
+                               None if inside is None else calls[inside].name, (hints or {}).get(pid, ""))
             continue
         stack.extend((e, inside, node) for e in node.next_functions if e[0] is not None)
 
 
-def _refusal(name: str, holders: list[str], up, parent: dict, inside: str | None) -> Exception:
+def _refusal(name: str, holders: list[str], up, parent: dict, inside: str | None, hint: str = "") -> Exception:
     held = f"the layers holding it: {', '.join(holders)}" if holders else "no layer of the model holds it"
     if inside is not None:
         return Unsupported(
@@ -115,6 +115,9 @@ def _refusal(name: str, holders: list[str], up, parent: dict, inside: str | None
             f"the layer's forward uses it through `{operation(up)}` on a tensor that is not one of the call's "
             "inputs, and the function registered for the layer cannot account for that; pass that tensor to the "
             "layer as an input, or register a function for a layer that holds the parameter")
+    if hint:
+        return Unsupported(f"parameter {name} is used by `{_used_by(up, parent)}` where no call recorded it ({held}): "
+                           f"{hint}")
     return Unsupported(
         f"parameter {name} is used by `{_used_by(up, parent)}` outside the calls of the layers that hold it ({held}): "
         "no layer function accounts for that use, so the per-example norms would be too small and the privacy "
