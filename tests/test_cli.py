@@ -70,8 +70,9 @@ def test_bad_input_fails_before_any_run(run_cli, override, needle):
 @pytest.mark.parametrize("choice", ["regime=nosuch", "method=[ridge,nosuch]", "model=nosuch", "clipping=nosuch",
                                     "regime=lowdim,nosuch"])
 def test_unknown_option_is_one_error_line(run_cli, choice):
-    """An option no conf/ group file provides: one error line naming it, exit 2, no run, no folder."""
-    proc = run_cli(*TINY, choice, expect_ok=False)
+    """An option no conf/ group file provides: one error line naming it, exit 2, no run, no folder (in a
+    sweep's list too: a list of values is a sweep, given with -m)."""
+    proc = run_cli(*TINY, choice, *(["-m"] if "," in choice and "[" not in choice else []), expect_ok=False)
     errors = [line for line in proc.stderr.splitlines() if line.strip()]
     assert proc.returncode == 2 and len(errors) == 1, proc.stderr
     assert errors[0].startswith("error: ") and "'nosuch' is not an option of conf/" in errors[0]
