@@ -93,14 +93,16 @@ def test_one_branch_norm_lets_the_canary_exceed_C_and_is_a_violation(setup):
 
 
 class _FixedSum:
-    """An engine that leaves a given clipped sum S in the gradients (to test the noise alone)."""
+    """An engine that leaves a given clipped sum S in the gradients (to test the noise alone), with the
+    engines' interface (``step(loss_fn, batch)``) and bound as the task binds one (``.engine``)."""
 
     private = True
 
     def __init__(self, model, S):
-        self.model, self.S = model, S
+        self.model, self.S, self.engine = model, S, self
 
-    def step(self, ids, targets):
+    def step(self, loss_fn, batch):
+        ids, _ = batch
         at = 0
         for p in self.model.parameters():
             p.grad = self.S[at:at + p.numel()].view_as(p).clone()
