@@ -24,6 +24,13 @@ def _float64():
     torch.set_default_dtype(before)
 
 
+def assert_exact(model, loss_fn, batch, **engine):
+    """The engine's step on ``batch`` gives one backward pass per example's norms (float64, 1e-10)."""
+    _, grads = brute_force(model, loss_fn, batch)
+    _, norms = PhantomClipping(model, C=1.0, **engine).step(loss_fn, batch)
+    torch.testing.assert_close(norms, norms_of(grads), rtol=1e-10, atol=1e-12)
+
+
 class Scaled(nn.Embedding):
     """Gemma 3's and BART's scaled word embedding: the lookup times sqrt(d)."""
 
@@ -137,10 +144,7 @@ def test_a_registered_layer_with_a_scalar_parameter_is_exact():
         torch.manual_seed(0)
         model = nn.Sequential(Temperature(3, 4), nn.Tanh(), nn.Linear(4, 1))
         x = torch.randn(5, 3)
-        loss_fn = lambda m, b: m(b).squeeze(-1) ** 2  # noqa: E731
-        _, grads = brute_force(model, loss_fn, x)
-        _, norms = PhantomClipping(model, C=1.0, check="brute").step(loss_fn, x)
-        torch.testing.assert_close(norms, norms_of(grads), rtol=1e-10, atol=1e-12)
+        assert_exact(model, lambda m, b: m(b).squeeze(-1) ** 2, x, check="brute")
     finally:
         del layers.LAYERS[Temperature]
 
@@ -204,8 +208,7 @@ def test_a_batch_free_table_is_refused_with_what_to_do():
                                           r"batch of 4 examples .* or freeze the layer's parameters"):
         PhantomClipping(model, C=1.0).step(lambda m, b: m(b), torch.randn(4, 5, 3))
     model.bias.requires_grad_(False)
-    _, grads = brute_force(model, lambda m, b: m(b), torch.randn(4, 5, 3))
-    PhantomClipping(model, C=1.0).step(lambda m, b: m(b), torch.randn(4, 5, 3))  # frozen: the rest runs
+    assert_exact(model, lambda m, b: m(b), torch.randn(4, 5, 3))  # frozen: the rest is exact
 
 
 def test_a_sublayer_whose_weights_its_parent_uses_directly_is_read_with_the_parent():
@@ -228,10 +231,7 @@ def test_a_sublayer_whose_weights_its_parent_uses_directly_is_read_with_the_pare
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(3, 4), Mixer(), nn.Linear(4, 1))
     x = torch.randn(5, 6, 3)
-    loss_fn = lambda m, b: m(b).pow(2).sum((1, 2))  # noqa: E731
-    _, grads = brute_force(model, loss_fn, x)
-    _, norms = PhantomClipping(model, C=1.0).step(loss_fn, x)
-    torch.testing.assert_close(norms, norms_of(grads), rtol=1e-10, atol=1e-12)
+    assert_exact(model, lambda m, b: m(b).pow(2).sum((1, 2)), x)
 
 
 def test_a_layer_torch_func_cannot_vectorise_is_read_one_example_at_a_time():
@@ -259,11 +259,7 @@ def test_a_layer_torch_func_cannot_vectorise_is_read_one_example_at_a_time():
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(3, 4), Gate(), nn.Linear(4, 1))
-    x = torch.randn(5, 3)
-    loss_fn = lambda m, b: m(b).squeeze(-1) ** 2  # noqa: E731
-    _, grads = brute_force(model, loss_fn, x)
-    _, norms = PhantomClipping(model, C=1.0).step(loss_fn, x)
-    torch.testing.assert_close(norms, norms_of(grads), rtol=1e-10, atol=1e-12)
+    assert_exact(model, lambda m, b: m(b).squeeze(-1) ** 2, torch.randn(5, 3))
 
 
 def test_a_head_that_multiplies_by_its_decoders_weight_and_a_scaled_linear_are_exact():
