@@ -23,11 +23,11 @@ guard (``guard.py``) proves from the step's autograd graph, before any gradient 
 path from the losses to a trainable parameter passes through a recorded call of a layer holding it:
 a parameter also used elsewhere (``F.linear(h, self.wte.weight)``, a penalty on it, a use on a few
 examples or steps only) is refused on the step it appears, naming the parameter and the operation.
-At construction: a trainable parameter held by a layer that no function covers (a matrix held by an
-unregistered type; ``register`` one), a batch-mixing layer (BatchNorm). Layers without a registered
-function are still exact where that can be shown (``functional.py``): subclasses of ``nn.Embedding``
-and ``nn.Linear`` are read at their base's functional call, layers holding only vectors by
-``torch.func``. A layer called on a batch of one broadcast over the examples (Hugging Face's default
+At construction: a layer that mixes the examples of a batch (BatchNorm) or scales an embedding's
+gradient by the batch's counts. Layers without a registered function are read exactly all the same
+(``functional.py``): subclasses of ``nn.Embedding`` and ``nn.Linear`` at their base's functional
+call, every other layer by ``torch.func`` (its per-example gradients materialised: register a
+function for a large matrix), each checked to add up to the batch's gradient. A layer called on a batch of one broadcast over the examples (Hugging Face's default
 (1, T) position ids) has its output expanded over the batch in the forward pass, so that each
 example's output gradient exists; rows flattened from a batch-first tensor ((n T, d), OPT's
 feed-forward) are mapped back to their examples. A parameter held by a layer and by a module around
@@ -119,16 +119,17 @@ def _batch_size(batch: Any) -> int | None:
 
 class _ByAutograd:
     """The reading of one call of a layer without a registered function (``functional.per_example``):
-    the call's arguments, detached, the element of a tuple output recorded, and the parameters to read
-    (None: the layer's own; ``_adopt`` adds those of sublayers its forward uses directly)."""
+    the call's arguments, detached, the element of a tuple output recorded, and the names of the
+    parameters to read, relative to the layer (``PhantomClipping._reads``; ``_adopt`` adds those of
+    sublayers its forward uses directly)."""
 
-    def __init__(self, args: tuple, kwargs: dict, which: int | None, names: list[str] | None = None):
+    def __init__(self, args: tuple, kwargs: dict, which: int | None, names: list[str]):
         self.args = tuple(a.detach() if isinstance(a, torch.Tensor) else a for a in args)
         self.kwargs = {k: v.detach() if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
         self.which, self.names = which, names
 
     def __call__(self, layer, x, g, n):
-        if self.names == []:  # a host that adopted nothing: nothing to read
+        if not self.names:  # a host that adopted nothing: nothing to read
             return []
         return functional.per_example(layer, self.args, self.kwargs, g, n, self.which, self.names)
 
@@ -171,17 +172,11 @@ class PhantomClipping:
         self.params = {id(p): (name, p) for name, p in model.named_parameters(remove_duplicate=True) if p.requires_grad}
         self._names = {m: name for name, m in model.named_modules(remove_duplicate=True)}  # for messages
         self._parent = {child: m for m in self._names for child in m.children()}
-        self._extra: dict[nn.Module, list[str]] = {}  # a subclass's parameters its base's call does not take
-        self.layers, self._how = self._layers()
+        self.layers, self._how, self._reads = self._layers()
         self._holders = {pid: [self._names[m] for m, ps in self.layers.items() if any(id(p) == pid for p in ps)]
                          for pid in self.params}
-        # a subclass read at its base's functional call, whose forward may compute with the weight otherwise
-        self._hints = {id(p): (f"{self._names[m]} is a {type(m).__name__}, a subclass of "
-                               f"{'nn.Embedding' if isinstance(m, nn.Embedding) else 'nn.Linear'} read where its forward "
-                               f"calls {'F.embedding' if isinstance(m, nn.Embedding) else 'F.linear'} on its weight, "
-                               "and it computed with its parameters another way (input @ weight.T, weight[ids]); register a "
-                               f"function for {type(m).__name__} (pipeline.clipping.register)")
-                       for m, how in self._how.items() if how == "capture" for p in self.layers[m]}
+        self._hints = {id(p): self._subclass_hint(m) for m, how in self._how.items() if how == "capture"
+                       for p in self.layers[m]}
         self._calls: list[_Call] = []
         self._flat: dict = {}  # this forward pass: recorded output edges of calls on flattened rows -> leading size
         self._active = False
@@ -191,24 +186,38 @@ class PhantomClipping:
             if how == "capture":
                 module.register_forward_pre_hook(self._enter)
                 module.register_forward_hook(self._leave, always_call=True)
-            if how != "capture" or module in self._extra:
+            if how != "capture" or self._reads.get(module):
                 module.register_forward_hook(self._record, with_kwargs=True)
+
+    def _subclass_hint(self, module: nn.Module) -> str:
+        """What the guard says of a subclass read at its base's functional call whose forward computed
+        with its parameters another way."""
+        base, fn, _ = functional.base_of(module)
+        return (f"{self._names[module]} is a {type(module).__name__}, a subclass of nn.{base.__name__} read where its "
+                f"forward calls F.{fn.__name__} on its weight, and it computed with its parameters another way "
+                f"(input @ weight.T, weight[ids]); register a function for {type(module).__name__} "
+                "(pipeline.clipping.register)")
 
     def ties(self) -> dict[str, list[str]]:
         """Each trainable parameter held by more than one layer, with those layers' names (found by
         identity: ``{'transformer.wte.weight': ['transformer.wte', 'lm_head']}`` for GPT-2)."""
         return {self.params[pid][0]: held for pid, held in self._holders.items() if len(held) > 1}
 
-    def _layers(self) -> tuple[dict[nn.Module, list[nn.Parameter]], dict[nn.Module, Any]]:
-        """The layers holding the trainable parameters, and how each is read: its registered function,
-        ``"capture"`` (a subclass of a registered type, read at its base's functional call) or
-        ``"autograd"`` (vectors only, by torch.func); Unsupported for anything else."""
+    def _layers(self) -> tuple[dict[nn.Module, list[nn.Parameter]], dict[nn.Module, Any], dict[nn.Module, list[str]]]:
+        """The layers holding the trainable parameters; how each is read: its registered function,
+        ``"capture"`` (a subclass of a registered type, read at its base's functional call),
+        ``"autograd"`` (any other layer, by torch.func) or ``"host"`` (a module whose parameters are all
+        held by layers inside it: read by torch.func for what ``_adopt`` gives it); and for the layers
+        torch.func reads, the names of the parameters it reads (an autograd layer's own; a subclass's
+        that its base's call does not take; a host's none). Unsupported: a layer that mixes the
+        examples of a batch, an embedding whose gradient is scaled by the batch's counts."""
         holders: dict[int, list[nn.Module]] = {}
         for module in self._names:
             for _, p in module.named_parameters(recurse=False):
                 holders.setdefault(id(p), []).append(module)
         found: dict[nn.Module, list[nn.Parameter]] = {}
         how: dict[nn.Module, Any] = {}
+        reads: dict[nn.Module, list[str]] = {}
         for module, name in self._names.items():
             own = [(k, p) for k, p in module.named_parameters(recurse=False) if p.requires_grad]
             if not own:
@@ -218,7 +227,7 @@ class PhantomClipping:
                 # each is also held by a layer inside it (BERT's head's bias is its decoder's): counted there. The
                 # module is still read by torch.func, for nothing of its own: a sublayer it uses without calling
                 # it (MobileBERT's head multiplies by its decoder's weight) is read with it (``_adopt``)
-                found[module], how[module] = [], "host"
+                found[module], how[module], reads[module] = [], "host", []
                 continue
             kind = f"{type(module).__module__}.{type(module).__qualname__}"
             held = [f"{name}.{k}" if name else k for k, _ in own]
@@ -233,11 +242,11 @@ class PhantomClipping:
             if fn is None:  # a subclass of a registered type is read at its base's call; anything else by torch.func
                 fn = "capture" if functional.base_of(module) is not None else "autograd"
             if fn == "capture":  # parameters the base's call does not take (a scale of its own) read by torch.func
-                extra = [k for k, p in own if k not in ("weight", "bias")]
-                if extra:
-                    self._extra[module] = extra
+                reads[module] = [k for k, _ in own if k not in ("weight", "bias")]
+            elif fn == "autograd":
+                reads[module] = [k for k, _ in own]
             found[module], how[module] = [p for _, p in own], fn
-        return found, how
+        return found, how, reads
 
     # --- recording ------------------------------------------------------------------------------
 
@@ -248,7 +257,6 @@ class PhantomClipping:
         if not (self._active and torch.is_grad_enabled()):
             return None
         fn, which = self._how[module], None
-        names = [] if fn == "host" else self._extra.get(module)
         fn = "autograd" if fn in ("host", "capture") else fn
         if fn == "autograd" and isinstance(output, (tuple, list)):
             which = next((k for k, o in enumerate(output) if isinstance(o, torch.Tensor) and o.requires_grad), None)
@@ -258,7 +266,7 @@ class PhantomClipping:
         tensors = [t for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor)]
         x = args[0] if args else next(iter(kwargs.values()))
         if fn == "autograd":
-            fn = _ByAutograd(args, kwargs, which, names)
+            fn = _ByAutograd(args, kwargs, which, self._reads[module])
             x = next((t for t in tensors if t.dim() and t.shape[0] == out.shape[0]), x)  # the batch-first input
         noted = self._note(module, x, out, fn, tensors)
         if noted is out:
@@ -439,8 +447,7 @@ class PhantomClipping:
             prefix = self._names[layer][len(self._names[up]) + 1 if self._names[up] else 0:]
             names = [f"{prefix}.{k}" for k, p in layer.named_parameters(recurse=False) if p.requires_grad]
             for c in by_module[up]:
-                own = [k for k, p in up.named_parameters(recurse=False) if p.requires_grad]
-                c.fn.names = (own if c.fn.names is None else c.fn.names) + names
+                c.fn.names = c.fn.names + names
                 c.proof.own = c.proof.own | {id(p) for p in self.layers[layer]}
 
     def _sq_norms(self, uses: dict[int, list[Use]], n: int, stacks=None) -> dict[int, torch.Tensor]:

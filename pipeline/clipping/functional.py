@@ -66,22 +66,23 @@ BASES = ((nn.Embedding, F.embedding, _embedding_call), (nn.Linear, F.linear, _li
 
 
 def base_of(module: nn.Module):
-    """(functional form, reader) for a subclass of a registered base layer type, else None."""
+    """(base type, its functional form, reader) for a subclass of a registered base layer type, else None."""
     for base, fn, reader in BASES:
         if isinstance(module, base) and type(module) is not base:
-            return fn, reader
+            return base, fn, reader
     return None
 
 
 class Capture(TorchFunctionMode):
     """Active while one subclassed layer runs: each call of its base's functional form on its own
-    weight is handed to ``note(layer, x, output, stand_in, function, tensors)``, whose return value
-    (the output, or the output expanded over the batch) is what the layer goes on with."""
+    weight is handed to ``note(layer, x, output, fn, tensors)`` (``fn(layer, x, g, n)`` the base's
+    function on the call's stand-in layer; ``tensors`` the call's other tensor arguments), whose
+    return value (the output, or the output expanded over the batch) is what the layer goes on with."""
 
     def __init__(self, layer: nn.Module, note: Callable):
         super().__init__()
         self.layer, self.note = layer, note
-        self.fn, self.reader = base_of(layer)
+        _, self.fn, self.reader = base_of(layer)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -102,10 +103,10 @@ def rounding(dtype: torch.dtype, terms: int) -> float:
     return 16 * torch.finfo(dtype).eps * math.sqrt(max(1, terms))
 
 
-def per_example(layer: nn.Module, args: tuple, kwargs: dict, g: torch.Tensor, n: int, which: int | None = None,
-                names: list[str] | None = None):
-    """[(parameter, Direct (n, P, Q))] for each trainable parameter the layer holds itself (or each of
-    ``names``, relative to the layer: also those of a sublayer its forward uses directly): the
+def per_example(layer: nn.Module, args: tuple, kwargs: dict, g: torch.Tensor, n: int, which: int | None,
+                names: list[str]):
+    """[(parameter, Direct (n, P, Q))] for each parameter of ``names``, relative to the layer (its own
+    trainable ones, or some of them, and those of a sublayer its forward uses directly): the
     vector-Jacobian product of the layer's forward on each example's rows with that example's output
     gradient, vectorised over the examples (``torch.func.vmap``; one example at a time where vmap
     cannot run the forward: an autograd.Function, a value read on the host). ``args``/``kwargs`` are
@@ -117,7 +118,6 @@ def per_example(layer: nn.Module, args: tuple, kwargs: dict, g: torch.Tensor, n:
     examples has no per-example gradient)."""
     from torch.func import functional_call, vjp, vmap
 
-    names = names or [k for k, p in layer.named_parameters(recurse=False) if p.requires_grad]
     params = [layer.get_parameter(k) for k in names]
     values = tuple(p.detach() for p in params)
     rows = g.shape[0]
