@@ -504,3 +504,26 @@ def test_dpformer_end_to_end_one_epoch(run_cli):
     mine = res[res["method"] == "dpformer"]
     assert set(mine["split"]) == {"valid", "test"} and (mine["sigma"] > 0).all()
     assert ((0 <= mine["ndcg10"]) & (mine["ndcg10"] <= mine["hit10"]) & (mine["hit10"] <= 100)).all()
+
+
+@pytest.mark.parametrize("arch", ["transformer", "gru", "propagated", "paper", "off", "sampled", "one block"])
+def test_last_position_forward_is_the_full_forwards_last_row(arch):
+    # evaluation ranks the last position's scores only (model(ids, last=True)): the last block attends from
+    # that position alone; every block before it, and its keys and values, run in full
+    if arch in ("transformer", "gru"):
+        torch.manual_seed(3)
+        cfg = dict(arch=arch, d=8, heads=1, blocks=2, d_ff=16, dropout=0.0, tied=True, init_std=0.3, layers=1)
+        model = train.build(OmegaConf.create(cfg), M, L).double().eval()
+    else:
+        model = build(blocks=1 if arch == "one block" else 2, seed=3).eval()
+        model.form = "propagated" if arch == "one block" else arch
+        model.set_errors(0.05, torch.full((M + 1,), 0.2))
+    full = model(IDS)
+    last = model(IDS, last=True)
+    assert last.shape == (IDS.shape[0], 1, M)
+    torch.testing.assert_close(last, full[:, -1:], rtol=1e-12, atol=1e-12)
+    if arch != "gru":  # the last block's record is its last query's: the full forward's last row
+        whole, one = [], []
+        model(IDS, record=whole)
+        model(IDS, record=one, last=True)
+        torch.testing.assert_close(one[-1]["att"], whole[-1]["att"][:, :, -1:], rtol=1e-12, atol=1e-12)

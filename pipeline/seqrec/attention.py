@@ -31,7 +31,7 @@ def relevant_mass(model, inputs: torch.Tensor, relevant: torch.BoolTensor, *, ba
         u = users[s:s + batch]
         record: list = []
         ids = inputs[u].to(device)
-        model(ids, record=record)
+        model(ids, record=record, last=True)  # the last block records its last query's attention alone
         att = record[-1]["att"][:, :, -1].mean(1)  # (n, T): last block, last query, mean over heads
         rel = relevant[u].to(device=device, dtype=att.dtype)
         mass += float((att * rel).sum())

@@ -14,8 +14,9 @@ BASELINES = ("popular", "oracle")  # the rows of every cell that are not the tra
 
 @torch.no_grad()
 def model_metrics(model, inputs: torch.Tensor, target: torch.Tensor, *, k: int, batch: int) -> dict:
-    """The model's scores at the last input position, ranked in chunks of ``batch`` users
-    (an n x M score matrix is never formed); metrics averaged over users with a target."""
+    """The model's scores at the last input position (``last=True``: no other position's scores, nor
+    the last block's attention from them, are computed), ranked in chunks of ``batch`` users (an
+    n x M score matrix is never formed); metrics averaged over users with a target."""
     was = model.training
     model.eval()
     device = next(model.parameters()).device
@@ -25,7 +26,7 @@ def model_metrics(model, inputs: torch.Tensor, target: torch.Tensor, *, k: int, 
         t = target[s:s + batch]
         if not bool((t != 0).any()):
             continue
-        scores = model(inputs[s:s + batch].to(device))[:, -1]  # ranked where they are (metrics.ranks)
+        scores = model(inputs[s:s + batch].to(device), last=True)[:, -1]  # ranked where they are (metrics.ranks)
         scores = torch.cat([scores.new_full((scores.shape[0], 1), -torch.inf), scores], 1)  # column 0: padding
         m = metrics.rank_metrics(scores, t, k=k)
         ndcg += m[f"NDCG@{k}"] * m["n"]

@@ -78,14 +78,17 @@ class CausalSelfAttention(nn.Module):
         n, h, T, dh = t.shape
         return t.transpose(1, 2).reshape(n, T, h * dh)
 
-    def logits(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Queries, values and the scaled scores <q_t, k_i> / sqrt(d / h), unmasked: (n, h, T, .)."""
-        q, k, v = self.split(self.q(x)), self.split(self.k(x)), self.split(self.v(x))
+    def logits(self, x: torch.Tensor, last: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Queries, values and the scaled scores <q_t, k_i> / sqrt(d / h), unmasked: (n, h, T, .); ``last``:
+        the last position's query only (scores (n, h, 1, T))."""
+        q, k, v = self.split(self.q(x[:, -1:] if last else x)), self.split(self.k(x)), self.split(self.v(x))
         return q, v, q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])
 
-    def forward(self, x: torch.Tensor, allowed: torch.Tensor, record: list | None = None) -> torch.Tensor:
-        """``record``, if a list, receives {"att": the attention weights (n, h, T, T)} (before dropout)."""
-        _, v, scores = self.logits(x)
+    def forward(self, x: torch.Tensor, allowed: torch.Tensor, record: list | None = None,
+                last: bool = False) -> torch.Tensor:
+        """``record``, if a list, receives {"att": the attention weights (n, h, T, T)} (before dropout);
+        ``last``: the last position attends alone ((n, 1, d) out; ``allowed`` its row, (n, 1, T))."""
+        _, v, scores = self.logits(x, last)
         att = torch.softmax(scores.masked_fill(~allowed[:, None], float("-inf")), dim=-1)
         if record is not None:
             record.append({"att": att.detach()})
@@ -102,8 +105,9 @@ class Block(nn.Module):
         self.ff1, self.ff2 = nn.Linear(d, d_ff), nn.Linear(d_ff, d)
         self.drop = nn.Dropout(dropout)
 
-    def forward(self, x, allowed, record: list | None = None):
-        x = self.ln1(x + self.drop(self.attn(x, allowed, record)))
+    def forward(self, x, allowed, record: list | None = None, last: bool = False):
+        """``last``: the output at the last position only (n, 1, d) (``allowed`` its row)."""
+        x = self.ln1((x[:, -1:] if last else x) + self.drop(self.attn(x, allowed, record, last)))
         return self.ln2(x + self.drop(self.ff2(self.drop(F.relu(self.ff1(x))))))
 
 
@@ -132,7 +136,9 @@ class SeqModel(nn.Module):
         mask = ids != 0
         return self.items(ids) * mask[..., None], mask
 
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+    def forward(self, ids: torch.Tensor, *, last: bool = False) -> torch.Tensor:
+        """Scores (n, T, M); ``last``: at the last position only, (n, 1, M) (what ranking reads: the
+        scores of the earlier positions, T - 1 of every T rows of the widest product, are never formed)."""
         raise NotImplementedError
 
 
@@ -160,11 +166,14 @@ class Transformer(SeqModel):
         allowed = causal & (mask[:, None, :] | torch.eye(T, dtype=torch.bool, device=ids.device))
         return x, mask, allowed
 
-    def forward(self, ids: torch.Tensor, *, record: list | None = None) -> torch.Tensor:
-        """Scores (n, T, M); ``record``, if a list, receives each block's attention weights."""
+    def forward(self, ids: torch.Tensor, *, record: list | None = None, last: bool = False) -> torch.Tensor:
+        """Scores (n, T, M); ``record``, if a list, receives each block's attention weights; ``last``: the
+        scores at the last position only (n, 1, M), the last block attending from that position alone
+        (the blocks before it in full: its keys and values are every position's)."""
         x, _, allowed = self.inputs(ids)
-        for block in self.blocks:
-            x = block(x, allowed, record)
+        for number, block in enumerate(self.blocks, 1):
+            final = last and number == len(self.blocks)
+            x = block(x, allowed[:, -1:] if final else allowed, record, final)
         return self.scores(x)
 
 
@@ -192,7 +201,7 @@ class Recurrent(SeqModel):
         c = torch.sigmoid(f) * c + torch.sigmoid(i) * torch.tanh(g)
         return torch.sigmoid(o) * torch.tanh(c), c
 
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+    def forward(self, ids: torch.Tensor, *, last: bool = False) -> torch.Tensor:
         x, mask = self.embed(ids)
         x = self.drop(x)
         for ih, hh in zip(self.ih, self.hh):
@@ -205,7 +214,7 @@ class Recurrent(SeqModel):
                 h, c = torch.where(keep, h_new, h), torch.where(keep, c_new, c)
                 outs.append(h)
             x = self.drop(torch.stack(outs, 1))
-        return self.scores(x)
+        return self.scores(x[:, -1:] if last else x)
 
 
 ARCHS = ("transformer", "gru", "lstm")  # model.arch; train.build makes each (Re-Attention: pipeline/seqrec/reattention.py)

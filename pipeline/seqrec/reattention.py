@@ -283,21 +283,27 @@ class DPFormer(Transformer):
     def active(self) -> bool:
         return self.block_err > 0 or bool((self.item_err > 0).any())
 
-    def forward(self, ids: torch.Tensor, *, record: list | None = None) -> torch.Tensor:
+    def forward(self, ids: torch.Tensor, *, record: list | None = None, last: bool = False) -> torch.Tensor:
         """Scores (n, T, M); ``record``, if a list, receives per block {"var": the logit variances,
         "att": the corrected attention weights}, both (n, h, T, T), and the block's input "x" (n, T, d)
-        and queries "q" (n, h, T, d_h)."""
+        and queries "q" (n, h, T, d_h); ``last``: as ``Transformer``'s (the last block's records are its
+        last query's, (n, h, 1, .))."""
         if not self.active:
-            return super().forward(ids, record=record)
-        if self.form == "sampled":
-            return self._forward_sampled(ids, record)
+            return super().forward(ids, record=record, last=last)
+        if self.form == "sampled":  # the draws run every position; the last query's rows kept
+            out = self._forward_sampled(ids, record)
+            if last and record:
+                record[-1] = {k: v if k == "x" else v[:, :, -1:] for k, v in record[-1].items()}
+            return out[:, -1:] if last else out
         x, mask, allowed = self.inputs(ids)
         with torch.no_grad():
             e2 = self.item_err.to(x.dtype)[ids] ** 2 * mask
             var = (e2 + self.block_err ** 2)[..., None].expand_as(x).clone()
             mean = x.detach()  # the first block's input is linear in the parameters: its mean is the forward's
         for number, block in enumerate(self.blocks, 1):
-            x, mean, var = self._block(block, x, mean, var, allowed, record, number)
+            final = number == len(self.blocks)
+            x, mean, var = self._block(block, x, mean, var, allowed, record, number, last=last and final,
+                                       propagate=not final)
         return self.scores(x)
 
     def logit_var(self, attn, x: torch.Tensor, var: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
@@ -405,7 +411,8 @@ class DPFormer(Transformer):
     def _attend(self, block, x, v, scores, used, allowed):
         """The block's forward from its scores on: the correction ``used`` (half of it subtracted from the
         logits), the masked softmax, dropout, W_o, the residuals, both LayerNorms and the feed-forward:
-        (output, the attention weights before dropout, detached)."""
+        (output, the attention weights before dropout, detached). ``x``: the residual stream at the
+        scores' query positions."""
         attn = block.attn
         scores = (scores - used / 2).masked_fill(~allowed[:, None], float("-inf"))
         att = torch.softmax(scores, dim=-1)
@@ -414,9 +421,12 @@ class DPFormer(Transformer):
         x1 = block.ln1(x + block.drop(attn.out(attn.merge(att @ v))))
         return block.ln2(x1 + block.drop(block.ff2(block.drop(F.relu(block.ff1(x1)))))), a
 
-    def _block(self, block, x, mean, var, allowed, record, number: int = 1):
+    def _block(self, block, x, mean, var, allowed, record, number: int = 1, *, last: bool = False,
+               propagate: bool = True):
         """One block's forward (the model's computation, Re-Attention's correction in its attention)
-        and the moments of its output under the parameters' noise: (output, mean, variance).
+        and the moments of its output under the parameters' noise: (output, mean, variance). ``last``:
+        the last position's query alone (its output (n, 1, d)); ``propagate=False`` (the last block,
+        whose output's moments no block reads): the moments are not computed (None, None).
 
         The moments are propagated from the block input's (``mean``, ``var``) with plain tensor
         operations (no module call, so no engine hook sees them), dropout ignored, the attention
@@ -424,13 +434,17 @@ class DPFormer(Transformer):
         is comparable to a token's scale, the noisy tokens' mean is shrunk towards zero
         (``layer_norm_moments``) and is no longer the forward's activation."""
         attn, err = block.attn, self.block_err
-        q, v, scores = attn.logits(x)
+        q, v, scores = attn.logits(x, last)
         pull, var = var, var.diag if isinstance(var, Pullback) else var
         with torch.no_grad():
             lv, used = self.correction(attn, mean, pull, q.detach(), number)
-        out, a = self._attend(block, x, v, scores, used, allowed)
+        out, a = self._attend(block, x[:, -1:] if last else x, v, scores, used, allowed[:, -1:] if last else allowed)
         if record is not None:
             record.append({"var": lv, "used": used, "att": a, "x": x.detach(), "q": q.detach()})
+        if not propagate:
+            return out, None, None
+        if last:
+            raise ValueError("last=True reads one position: no block after it can use its moments")
         with torch.no_grad():
             mean_v = F.linear(mean, attn.v.weight, attn.v.bias)
             var_v = attn.split(linear_var(mean, var, attn.v.weight, err, True))
