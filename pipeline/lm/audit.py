@@ -131,9 +131,9 @@ def run(build_model: Callable[[], torch.nn.Module], rows: torch.Tensor, mask: to
     row = run_audit.score(scores, bits, variant=variant, canaries=canaries, claimed=claimed, used=used,
                           n=int(rows.shape[0]), eps=eps,
                           delta=delta, confidence=confidence, guesses=guesses, power_factor=power_factor,
-                          accountant=accountant)
+                          accountant=accountant, white_box=dirac)
     if out is not None:
-        run_audit.record(row, scores, bits, task="lm", out=out, params=params or {})
+        run_audit.record(row, scores, bits, task="lm", out=out, params=params or {}, white_box=dirac)
     return row
 
 
@@ -184,9 +184,14 @@ def from_config(cfg):
                             dropout=s.dropout, eos_id=prep.eos_id)
 
     coordinates = sum(p.numel() for p in build().parameters() if p.requires_grad)
+    eps, delta = (1 - s.vocab_share) * s.eps, (1 - s.vocab_share) * s.delta
+    claimed = train.plan(n_posts=int(prep.rows.shape[0]), batch_size=s.batch_size, epochs=s.epochs, eps=eps,
+                         delta=delta, private=True, vocab_share=0.0, accountant=s.accountant)
+    if run_audit.plan_only(cfg, variants, m, coordinates, "audit.lm.m", claimed=claimed, eps=eps, delta=delta,
+                           accountant=s.accountant):
+        return None  # audit.plan_only: what each bound can reach, printed; nothing trained
     out = run_audit.start(cfg, variants, m["dirac"], coordinates, "audit.lm.m")
 
-    eps, delta = (1 - s.vocab_share) * s.eps, (1 - s.vocab_share) * s.delta
     params = {"model": f"gpt2 d{s.d} x{s.layers}", "tied": s.tied, "clipping": "phantom", "C": s.C, "lr": s.lr,
               "batch_size": s.batch_size, "epochs": s.epochs, "posts": int(prep.rows.shape[0]), "V": prep.V,
               "L": s.L, "seed": s.seed, "accountant": s.accountant}

@@ -144,9 +144,10 @@ def run(seqs, cfg: DictConfig, *, variant: str, canaries: str = "dirac", m: int 
     unseen = UNSEEN_BY_DIRAC if variant == "one_branch" and canaries == "dirac" else None
     row = run_audit.score(scores, bits, variant=variant, canaries=canaries, claimed=claimed, used=used,
                           n=seqs.n_users, eps=eps, delta=delta, confidence=float(cfg.audit.confidence),
-                          power_factor=float(cfg.audit.power_factor), accountant=accountant, unseen=unseen)
+                          power_factor=float(cfg.audit.power_factor), accountant=accountant, unseen=unseen,
+                          white_box=dirac)
     if out is not None:
-        run_audit.record(row, scores, bits, task="seqrec", out=out, params=params or {})
+        run_audit.record(row, scores, bits, task="seqrec", out=out, params=params or {}, white_box=dirac)
     return row
 
 
@@ -201,8 +202,11 @@ def from_config(cfg: DictConfig):
         torch.set_num_threads(int(cfg.seqrec.threads))
     seqs = data.load(cfg.dataset, int(cfg.dataset.L), int(cfg.seed))
     coordinates = sum(p.numel() for p in train.build(cfg.model, seqs.n_items, seqs.L).parameters() if p.requires_grad)
+    eps, delta = claim(cfg)
+    if run_audit.plan_only(cfg, variants, m, coordinates, "audit.seqrec.run.m", claimed=train.plan(cfg, seqs.n_users),
+                           eps=eps, delta=delta, accountant=str(cfg.seqrec.accountant)):
+        return None  # audit.plan_only: what each bound can reach, printed; nothing trained
     out = run_audit.start(cfg, variants, m["dirac"], coordinates, "audit.seqrec.run.m")
-    eps, _ = claim(cfg)
     name = train.model_name(cfg.model)
     params = {"model": name, "clipping": str(cfg.clipping.name), "C": float(cfg.clipping.C), "lr": float(cfg.seqrec.lr),
               "batch_size": int(cfg.seqrec.batch_size), "epochs": int(cfg.seqrec.epochs), "users": seqs.n_users,
