@@ -180,6 +180,8 @@ def check_keys(a: DictConfig) -> None:
         raise ConfigError(f"audit.power_factor must be a number > 1, got {a.power_factor!r}")
     if isinstance(a.noise_scale, bool) or not isinstance(a.noise_scale, (int, float)) or not a.noise_scale > 0:
         raise ConfigError(f"audit.noise_scale must be a positive number, got {a.noise_scale!r}")
+    if not isinstance(a.get("plan_only", False), bool):
+        raise ConfigError(f"audit.plan_only must be true or false, got {a.get('plan_only')!r}")
 
 
 # --- one training run ---------------------------------------------------------------------------
@@ -370,3 +372,97 @@ def one_run_verdict(result: OneRun, claimed_eps: float, power: float) -> str:
         return (f"too weak to say (m = {result.m} canaries prove at most {result.eps_ceiling:.3g}; "
                 f"a clear violation would give {power:.3g})")
     return "consistent"
+
+
+# --- Gaussian differential privacy -------------------------------------------------------------
+
+def gdp_epsilon(mu: float, delta: float) -> float:
+    """The eps at ``delta`` of a mu-GDP mechanism (Dong, Roth and Su, Corollary 2.13): the eps with
+    Phi(-eps / mu + mu / 2) - e^eps Phi(-eps / mu - mu / 2) = delta, in the log domain; 0 where mu
+    <= 0 (no separation: nothing is shown, whichever way the scores lean) or where delta(0) <= delta."""
+    if not 0 < delta < 1:
+        raise ValueError(f"delta must lie in (0, 1), got {delta!r}")
+    if not mu > 0:
+        return 0.0
+    if math.isinf(mu):
+        return math.inf
+
+    def gap(eps: float) -> float:
+        a = norm.logcdf(-eps / mu + mu / 2)
+        b = eps + norm.logcdf(-eps / mu - mu / 2)
+        if b >= a:
+            return -math.inf
+        return a + math.log1p(-math.exp(b - a)) - math.log(delta)
+
+    if gap(0.0) <= 0:
+        return 0.0
+    hi = 1.0
+    while gap(hi) > 0:
+        hi *= 2
+        if hi > 1e6:
+            return math.inf
+    return float(optimize.brentq(gap, 0.0, hi, xtol=1e-9))
+
+
+def _upper_hull(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """Indices of the vertices of the upper concave hull of the points (x, y) sorted by x: the
+    thresholds no randomised mixture of two others dominates (collinear points dropped)."""
+    hull: list[int] = []
+    for i in range(x.size):
+        while len(hull) >= 2:
+            a, b = hull[-2], hull[-1]
+            if (y[b] - y[a]) * (x[i] - x[b]) - (y[i] - y[b]) * (x[b] - x[a]) <= 0:
+                hull.pop()
+            else:
+                break
+        hull.append(i)
+    return np.asarray(hull)
+
+
+@dataclass(frozen=True)
+class GDP:
+    mu_lower: float  # the largest mu the scores show, at the audit's confidence (0: none)
+    eps_lower: float  # its eps at the run's delta (``gdp_epsilon``)
+    thresholds: int  # thresholds tested (the Bonferroni count is twice this)
+    eps_ceiling: float  # the same for perfectly separated scores of these sizes
+
+
+def _gdp_mu(in_sorted: np.ndarray, out_sorted: np.ndarray, significance: float, delta: float) -> tuple[float, int]:
+    thresholds = np.concatenate([np.union1d(in_sorted, out_sorted), [np.inf]])
+    fn = np.searchsorted(in_sorted, thresholds, side="left")  # "in" guessed at s >= t: misses below t
+    tn = np.searchsorted(out_sorted, thresholds, side="left")
+    keep = _upper_hull(fn.astype(float), tn.astype(float))
+    fn, tn, n = fn[keep], tn[keep], keep.size
+    n_in, n_out = in_sorted.size, out_sorted.size
+    level = significance / (2 * n)
+
+    def upper(k, total):  # one-sided Clopper-Pearson upper bound, failing with probability level
+        return np.where(k < total, beta.ppf(1 - level, k + 1, np.maximum(total - k, 1)), 1.0)
+
+    fnr, fpr = upper(fn, n_in), upper(n_out - tn, n_out)
+    usable = np.maximum(fnr, fpr) < 1 - delta
+    if not usable.any():
+        return 0.0, n
+    mu = norm.isf(fpr[usable]) - norm.ppf(fnr[usable])  # mu-GDP: FNR >= Phi(Phi^-1(1 - FPR) - mu)
+    return max(0.0, float(np.max(mu))), n
+
+
+def gdp_bound(scores: np.ndarray, included: np.ndarray, *, delta: float, confidence: float = 0.95) -> GDP:
+    """A Gaussian-DP lower bound from the canaries' scores (Andrew et al. 2024, arXiv:2302.07956;
+    Nasr et al. 2023): at every threshold t of the ROC curve's upper hull (higher scores guessed
+    "in"), one-sided Clopper-Pearson upper bounds on the false negative and false positive rates,
+    Bonferroni-corrected over the 2 n bounds, give mu >= Phi^-1(1 - FPR) - Phi^-1(FNR) under mu-GDP;
+    the largest such mu, and its eps at ``delta``. A test of the Gaussian trade-off with the canaries
+    taken as independent trials: like the f-DP bound, a statement about a Gaussian-like mechanism
+    (DP-SGD's composition of many subsampled steps), not a proof that the run breaks (eps, delta)-DP.
+    Scores that lean the wrong way (included lower) show mu = 0, not a negative mu taken at its
+    absolute value."""
+    scores, included = np.asarray(scores, dtype=np.float64), np.asarray(included, dtype=bool)
+    if included.shape != scores.shape or included.all() or not included.any():
+        raise ValueError("the GDP bound needs included and excluded canaries, one inclusion bit per score")
+    if not 0 < confidence < 1:
+        raise ValueError(f"confidence must lie in (0, 1), got {confidence!r}")
+    a, b = np.sort(scores[included]), np.sort(scores[~included])
+    mu, n = _gdp_mu(a, b, 1 - confidence, delta)
+    ceiling, _ = _gdp_mu(np.ones(a.size), np.zeros(b.size), 1 - confidence, delta)
+    return GDP(mu_lower=mu, eps_lower=gdp_epsilon(mu, delta), thresholds=n, eps_ceiling=gdp_epsilon(ceiling, delta))

@@ -1,43 +1,61 @@
 """The whole-run audit every task's DP-SGD shares (``python -m pipeline.audit ... audit.scope=run``;
 Steinke, Nasr and Jagielski, NeurIPS 2023): one real training run with m canaries, each included
 with probability 1/2 (bits drawn before training, read only when scoring), scored after training
-and bounded with ``pipeline.auditing.one_run_bound`` against the eps the run's accountant claims.
+and bounded against the eps the run's accountant claims.
 
 A task supplies its training loop (its sampling, accountant plan, schedule, optimizer and
-checkpointing; ``pipeline/lm/audit.py``); this module holds what every task's run audit shares:
-the variants, the power, the scoring into one row, and the record (one MLflow run per audit, with
-its figure).
+checkpointing; ``pipeline/lm/audit.py``, ``pipeline/seqrec/audit_run.py``); this module holds what
+every task's run audit shares: the variants, the scores' bounds, the power, the plan, the sanity
+check, the scoring into one row, and the record (one MLflow run per audit, with its figure).
+
+**Scores.** A white-box (Dirac) canary is scored by the sum over the steps of its per-step
+log-likelihood ratio, "included" against "excluded", under the Poisson-subsampled Gaussian
+mechanism as run (``pipeline.canaries``): the statistic. Its sum of noisy coordinates (the earlier
+release's score) is reported beside it. Where the noise multiplier is small the ratio keeps what the
+sum throws away (a step that did not sample a canary adds only noise to its sum).
+
+**Three bounds from the same scores** (``bounds``), each with its ceiling for the run's m:
+Steinke et al.'s binomial bound (a proof at the audit's confidence: the verdict's), Mahloujifar et
+al.'s f-DP test of the Gaussian trade-off turned into a bound (the largest (eps, delta) Gaussian
+claim the guesses reject), and the Gaussian-DP bound (mu from Clopper-Pearson bounds on the error
+rates at the ROC hull's thresholds, eps at the run's delta; as jax_privacy's ``epsilon_from_gdp``).
+The last two hold for a mechanism with a Gaussian trade-off, which DP-SGD's composition of many
+subsampled steps approaches but need not meet: a verdict they alone carry says so.
+
+**Before and after.** ``audit.plan_only=true`` prints, before anything runs, each bound's expected
+value (the canaries simulated alone, ``simulate``) and ceiling for the run as configured. After a
+run, ``sanity`` compares the excluded canaries' ratio scores with those of a simulated run without
+data (Kolmogorov-Smirnov): the data's gradients dominating the noise, or noise replayed or missing,
+show there.
 
 **Variants.** ``engine`` is the run as planned. Each negative control is a run whose training
 differs from what the accountant was told, while the claim stays the planned run's:
 
-=====================  ==========================================================  ==============
-variant                what the training does                                      sum statistic
-=====================  ==========================================================  ==============
-noise_halved           noise std sigma C / 2                                       caught (power)
-sampling_doubled       samples at 2 q, the accountant assumed q                    caught (power)
-accountant_tenth       the noise the accountant gives for a tenth of the steps     caught (power)
-no_noise               no noise at all                                             caught
-resume_reuses_noise    stopped after half the epochs and resumed from a           cannot
-                       checkpoint whose noise generator is the run's first state:
+=====================  ==========================================================  ================
+variant                what the training does                                      caught by
+=====================  ==========================================================  ================
+noise_halved           noise std sigma C / 2                                       the bounds (m)
+sampling_doubled       samples at 2 q, the accountant assumed q                    the bounds (m)
+accountant_tenth       the noise the accountant gives for a tenth of the steps     the bounds (m)
+no_noise               no noise at all                                             every bound
+resume_reuses_noise    stopped after half the epochs and resumed from a           the sanity
+                       checkpoint whose noise generator is the run's first state:  check (m)
                        the epochs after the resume draw the first epochs' noise
-=====================  ==========================================================  ==============
+=====================  ==========================================================  ================
 
-"caught (power)": the control raises every canary's signal-to-noise ratio, so the bound rises;
-whether it passes the claim depends on m and on the run (each row reports the power, and
-``audit.md`` whether the sum statistic can see the control at all). A white-box
-(Dirac) canary's score is its coordinate of the sum of the noisy sums over the run: a replayed
-noise draw is added twice, which *raises* that sum's variance, so no choice of m lets the sum
-statistic see a resume that reuses noise; a statistic that differences the replayed steps would
-(their noise cancels), but it has to know the defect. A clipping defect (Phantom's one-branch
-norm) is invisible to Dirac canaries by construction (their gradient is added after clipping, of
-norm exactly C); only input-space canaries, whose gradients pass through the engine, could see it.
+"the bounds (m)": the control raises every canary's signal-to-noise ratio, so the bounds rise;
+whether they pass the claim depends on m and on the run (each row reports the power, and
+``audit.plan_only`` what to expect). A replayed noise draw is added twice, which raises the scores'
+variance: no bound sees it, while the excluded scores' law moves away from the simulated one. A
+clipping defect (Phantom's one-branch norm) is invisible to Dirac canaries by construction (their
+gradient is added after clipping, of norm exactly C); only input-space canaries, whose gradients
+pass through the engine, could see it.
 
-**Canaries** (``audit.<task>.variants``: ``<variant>`` or ``<variant>:input``): ``dirac`` (white-box, ``pipeline.canaries``: the
-strongest) or ``input`` (canary examples with unique random content, each included in the training
-data with probability 1/2, scored by minus their loss under the final model: what an attacker of
-the released model can do; expect a weak bound; distinct with overwhelming probability, not by
-construction).
+**Canaries** (``audit.<task>.variants``: ``<variant>`` or ``<variant>:input``): ``dirac`` (white-box,
+``pipeline.canaries``: the strongest) or ``input`` (canary examples with unique random content, each
+included in the training data with probability 1/2, scored by minus their loss under the final
+model: what an attacker of the released model can do; expect a weak bound; distinct with
+overwhelming probability, not by construction).
 """
 
 from __future__ import annotations
@@ -112,73 +130,210 @@ def default_guesses(m: int) -> tuple[int, ...]:
     return tuple(sorted({max(1, m // 10), max(1, m // 2), m}))
 
 
-UNSEEN = {"resume_reuses_noise": "the sum statistic cannot see replayed noise"}  # controls it cannot catch
+UNSEEN = {"resume_reuses_noise": "no bound sees replayed noise (the sanity check of the excluded scores can)"}
+SANITY = 1e-3  # a sanity p-value below this is said in the verdict
+
+
+def simulate(m: int, *, q: float, sigma: float, steps: int, seed: int, C: float = 1.0,
+             chunk: int = 2**22) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The canaries alone under the Poisson-subsampled Gaussian mechanism: m Dirac canaries, each
+    included with probability 1/2, each included one added (C) at a step with probability q, N(0,
+    (sigma C)^2) on every coordinate at every step, scored as a run scores them (``pipeline.canaries``:
+    the sum / C and the per-step log-likelihood ratio with each step's moments read from the
+    observations): (sum scores, ratio scores, inclusion bits). What a run without data shows: the
+    plan's expected bounds (``expected``), the power, and the law the real excluded canaries' scores
+    must follow (``sanity``). ``sigma`` may include the data's spread on the canaries' coordinates."""
+    from pipeline.canaries import step_llr, step_moments
+
+    rng = np.random.default_rng(seed)
+    bits = rng.random(m) < 0.5
+    linear, llr = np.zeros(m), np.zeros(m)
+    per = max(1, chunk // max(1, m))
+    for start in range(0, steps, per):
+        k = min(per, steps - start)
+        y = C * ((rng.random((k, m)) < q) & bits) + sigma * C * rng.standard_normal((k, m))
+        for row in y:
+            mu, v = step_moments(row, q=q, C=C)
+            llr += step_llr(row, mu=mu, v=v, q=q, C=C)
+        linear += y.sum(0) / C
+    return linear, llr, bits
+
+
+@dataclasses.dataclass(frozen=True)
+class Bounds:
+    """The three one-run bounds of one statistic's scores."""
+    steinke: auditing.OneRun  # Steinke et al.'s binomial bound: a proof at the audit's confidence
+    fdp: auditing.OneRun  # Mahloujifar et al.'s f-DP test of the Gaussian claim (eps_lower: the largest rejected)
+    gdp: auditing.GDP  # the Gaussian-DP bound (mu, and eps at delta)
+
+    def best(self) -> tuple[str, float]:
+        return max((("steinke", self.steinke.eps_lower), ("fdp", self.fdp.eps_lower), ("gdp", self.gdp.eps_lower)),
+                   key=lambda kv: kv[1])
+
+
+def bounds(scores: np.ndarray, included: np.ndarray, *, delta: float, confidence: float,
+           guesses: tuple[int, ...]) -> Bounds:
+    """Steinke et al.'s, the f-DP and the Gaussian-DP bound from the same scores."""
+    kw = dict(delta=delta, confidence=confidence, guesses=guesses)
+    return Bounds(steinke=auditing.one_run_bound(scores, included, **kw),
+                  fdp=auditing.one_run_bound(scores, included, bound="fdp", **kw),
+                  gdp=auditing.gdp_bound(scores, included, delta=delta, confidence=confidence))
+
+
+def expected(m: int, *, q: float, sigma: float, steps: int, delta: float, confidence: float,
+             guesses: tuple[int, ...] | None = None, seeds: int = 3, statistics: tuple[str, ...] = ("llr", "sum"),
+             kinds: tuple[str, ...] = ("steinke", "fdp", "gdp")) -> dict[str, dict[str, float]]:
+    """The bounds a run of this plan gives, by simulation of its canaries alone (``simulate``): for
+    each of ``statistics`` ("llr", "sum") and ``kinds`` ("steinke", "fdp", "gdp"), the median over
+    ``seeds`` simulated runs."""
+    guesses = guesses or default_guesses(m)
+    kw = dict(delta=delta, confidence=confidence)
+    compute = {"steinke": lambda sc, b: auditing.one_run_bound(sc, b, guesses=guesses, **kw).eps_lower,
+               "fdp": lambda sc, b: auditing.one_run_bound(sc, b, guesses=guesses, bound="fdp", **kw).eps_lower,
+               "gdp": lambda sc, b: auditing.gdp_bound(sc, b, **kw).eps_lower}
+    found: dict[str, dict[str, list[float]]] = {name: {kind: [] for kind in kinds} for name in statistics}
+    for seed in range(seeds):
+        linear, llr, bits = simulate(m, q=q, sigma=sigma, steps=steps, seed=seed)
+        for name in statistics:
+            for kind in kinds:
+                found[name][kind].append(compute[kind](llr if name == "llr" else linear, bits))
+    return {name: {kind: float(np.median(v)) for kind, v in per.items()} for name, per in found.items()}
+
+
+def ceilings(m: int, *, delta: float, confidence: float, guesses: tuple[int, ...] | None = None) -> dict[str, float]:
+    """The largest value each bound can take with m canaries (every guess right; perfect separation
+    of m / 2 included from m / 2 excluded for the Gaussian-DP bound)."""
+    guesses = guesses or default_guesses(m)
+    half = np.arange(m) < m // 2
+    return {"steinke": auditing.one_run_ceiling(m, delta=delta, confidence=confidence, guesses=guesses),
+            "fdp": auditing.one_run_ceiling(m, delta=delta, confidence=confidence, guesses=guesses, bound="fdp"),
+            "gdp": auditing.gdp_bound(half.astype(float), half, delta=delta, confidence=confidence).eps_ceiling}
+
+
+def effective_sigma(white_box, used) -> float:
+    """The run's noise on the canaries' coordinates, in units of C: the root mean of the per-step
+    excluded variances the canaries read (the noise and the data's gradients), at least the plan's."""
+    v = np.array([var for _, var in white_box.moments]) if white_box.moments else np.zeros(1)
+    return max(used.sigma, math.sqrt(float(np.mean(v))) / white_box.C)
+
+
+def sanity(white_box, included: np.ndarray, used, seed: int = 0) -> float:
+    """The p-value of a two-sample Kolmogorov-Smirnov test of the run's excluded canaries' ratio
+    scores against the excluded canaries of a simulation of the same run without data (``simulate``
+    at the run's q, steps and effective noise): small where the scores are not what the mechanism as
+    run would give (a wrong q, noise the run did not add, a score bug)."""
+    from scipy.stats import ks_2samp
+
+    _, llr, bits = simulate(white_box.m, q=white_box.q, sigma=effective_sigma(white_box, used), steps=white_box.steps(),
+                            seed=seed + 1)
+    real = white_box.llr_scores()[~np.asarray(included, dtype=bool)]
+    return float(ks_2samp(real, llr[~bits]).pvalue)
 
 
 def score(scores: np.ndarray, included: np.ndarray, *, variant: str, canaries: str, claimed, used, n: int,
           eps: float, delta: float, confidence: float = 0.95, guesses: tuple[int, ...] | None = None, power_factor: float = 2.0,
-          accountant: str = "prv", unseen: str | None = None) -> dict:
-    """One audited run's row: the binomial bound on eps (Steinke et al.), the largest Gaussian
-    claim the f-DP test rejects (``gaussian_claim_rejected``: no bound on eps, since subsampled
-    DP-SGD's trade-off is not Gaussian), the ceiling for this m, the power and the verdict; ``n``
-    is the number of examples the run trained on (input canaries included).
+          accountant: str = "prv", unseen: str | None = None, white_box=None) -> dict:
+    """One audited run's row; ``n`` is the number of examples the run trained on (input canaries
+    included). ``white_box``: the run's Dirac canaries (``pipeline.canaries.DiracCanaries``), whose
+    per-step log-likelihood ratio scores are the audit's statistic (``statistic = llr``), their sum
+    scores (``scores``) reported beside; input canaries are scored by ``scores`` (minus their loss).
 
-    The power is the binomial bound the same statistic would reach, at expected counts, against the
-    same run calibrated to ``power_factor`` times the claim: for Dirac canaries from their sum
-    score's separation (``sum_score_mu``), with the variance the data's gradients added in this run
-    (``excess_variance``, read from the excluded canaries' scores after scoring). An input canary's
-    loss has no such model: its row gives the Dirac figure for reference, and its verdict is never
-    ``consistent`` (without a violation it is ``too weak to say``). A control the sum statistic
-    cannot catch (``UNSEEN``, or a task's own reason, ``unseen``) says so in its verdict, whatever
-    the power."""
+    From the statistic, three bounds side by side (``bounds``): Steinke et al.'s binomial bound on eps
+    (``eps_lower``: a proof at the audit's confidence, the one the verdict reads), the largest
+    Gaussian claim the f-DP test rejects (``fdp_eps_lower``) and the Gaussian-DP bound (``gdp_mu``,
+    ``gdp_eps_lower``): the last two are statements about a Gaussian trade-off, which DP-SGD's many
+    composed steps approach but need not meet: where they pass the claim and Steinke's does not, the
+    verdict is ``violation of the Gaussian trade-off (...)``, never a bare ``violation``. Each has its
+    ceiling for this m. ``sanity_p``: the excluded canaries' ratio scores against a simulation of
+    the run without data (``sanity``).
+
+    The power is Steinke's bound the statistic reaches, in simulation (median of three), against the
+    same run calibrated to ``power_factor`` times the claim, its noise on the canaries' coordinates
+    raised by what the data's gradients added in this run. An input canary's loss has no such model:
+    its row gives the Dirac figure for reference, and its verdict is never ``consistent``. A control
+    the statistic cannot catch (``UNSEEN``, or a task's own reason, ``unseen``) says so in its
+    verdict, whatever the power."""
     m = len(scores)
     guesses = guesses or default_guesses(m)
-    binomial = auditing.one_run_bound(scores, included, delta=delta, confidence=confidence, guesses=guesses)
-    fdp = auditing.one_run_bound(scores, included, delta=delta, confidence=confidence, guesses=guesses, bound="fdp")
-    excess = excess_variance(scores, included, used) if canaries == "dirac" else 0.0
-    mu_alt = sum_score_mu(claimed, alternative_sigma(claimed, power_factor * eps, delta, accountant), excess)
-    power = auditing.one_run_power(m, delta=delta, confidence=confidence, guesses=guesses, mu=mu_alt)
-    verdict = auditing.one_run_verdict(binomial, eps, power)
-    if verdict == "consistent" and canaries == "input":
+    linear = np.asarray(scores, dtype=np.float64)
+    primary = white_box.llr_scores() if white_box is not None else linear
+    main = bounds(primary, included, delta=delta, confidence=confidence, guesses=guesses)
+    side = bounds(linear, included, delta=delta, confidence=confidence, guesses=guesses) if white_box is not None else None
+    excess = excess_variance(linear, included, used) if canaries == "dirac" else 0.0
+    alt = alternative_sigma(claimed, power_factor * eps, delta, accountant)
+    noise = effective_sigma(white_box, used) if white_box is not None else used.sigma
+    extra = max(0.0, noise**2 - used.sigma**2)  # the data's share, per step, in units of C^2
+    power = expected(m, q=claimed.sample_rate, sigma=math.sqrt(alt**2 + extra), steps=claimed.steps, delta=delta,
+                     confidence=confidence, guesses=guesses, statistics=("llr",), kinds=("steinke",))["llr"]["steinke"]
+    verdict = auditing.one_run_verdict(main.steinke, eps, power)
+    gaussian = max(main.fdp.eps_lower, main.gdp.eps_lower)
+    if verdict != "violation" and gaussian > eps:  # the Gaussian trade-off broken: said, and never called a proof
+        verdict = (f"violation of the Gaussian trade-off (f-DP {main.fdp.eps_lower:.3g}, GDP {main.gdp.eps_lower:.3g} > "
+                   f"claim {eps:g}; Steinke's proof {main.steinke.eps_lower:.3g})")
+    elif verdict == "consistent" and canaries == "input":
         verdict = "too weak to say (input canaries: their power is not known)"
     elif (reason := unseen or UNSEEN.get(variant)) and verdict != "violation":  # said whatever the power
         verdict = f"consistent ({reason})" if verdict == "consistent" else f"{verdict}; {reason}"
-    return {"variant": variant, "canaries": canaries, "claimed_eps": eps, "delta": delta,
-            "sigma_claimed": claimed.sigma, "sigma_used": used.sigma, "sample_rate_used": used.sample_rate,
-            "steps": claimed.steps, "n": n,
+    best, best_value = main.best()
+    nan = float("nan")
+    checked = sanity(white_box, included, used) if white_box is not None else nan
+    if checked < SANITY and not verdict.startswith("violation"):  # what no bound showed, the scores' law may
+        verdict += (f"; the excluded canaries' scores are off the simulated run without data (KS p = {checked:.2g}): "
+                    "the data's gradients dominate the noise, or noise is replayed or missing")
+    return {"variant": variant, "canaries": canaries, "statistic": "llr" if white_box is not None else "loss",
+            "claimed_eps": eps, "delta": delta,
+            "sigma_claimed": claimed.sigma, "sigma_used": used.sigma, "sigma_effective": noise,
+            "sample_rate_used": used.sample_rate, "steps": claimed.steps, "n": n,
             "m": m, "included": int(np.sum(included)), "excess_var": excess,
             "mu_claimed": sum_score_mu(claimed, claimed.sigma), "mu_used": sum_score_mu(used, used.sigma),
-            "eps_lower": binomial.eps_lower, "gaussian_claim_rejected": fdp.eps_lower,
-            "correct": binomial.correct, "guesses": binomial.k_plus + binomial.k_minus,
-            "k_plus": binomial.k_plus, "k_minus": binomial.k_minus, "eps_ceiling": binomial.eps_ceiling,
-            "power": power, "confidence": confidence, "verdict": verdict}
+            "eps_lower": main.steinke.eps_lower, "fdp_eps_lower": main.fdp.eps_lower,
+            "gdp_mu": main.gdp.mu_lower, "gdp_eps_lower": main.gdp.eps_lower,
+            "best_bound": best_value, "best_kind": best,
+            "sum_eps_lower": side.steinke.eps_lower if side else nan, "sum_fdp_eps_lower": side.fdp.eps_lower if side else nan,
+            "sum_gdp_eps_lower": side.gdp.eps_lower if side else nan,
+            "correct": main.steinke.correct, "guesses": main.steinke.k_plus + main.steinke.k_minus,
+            "k_plus": main.steinke.k_plus, "k_minus": main.steinke.k_minus, "eps_ceiling": main.steinke.eps_ceiling,
+            "fdp_ceiling": main.fdp.eps_ceiling, "gdp_ceiling": main.gdp.eps_ceiling,
+            "power": power, "sanity_p": checked,
+            "confidence": confidence, "verdict": verdict}
 
 
-def figure(scores: np.ndarray, included: np.ndarray, row: dict, path: Path) -> Path:
+def figure(scores: np.ndarray, included: np.ndarray, row: dict, path: Path, white_box=None) -> Path:
     """The scores of included and excluded canaries, the thresholds of the winning guesses (the
-    ``k_plus`` highest guessed in, the ``k_minus`` lowest out) and the bound."""
+    ``k_plus`` highest guessed in, the ``k_minus`` lowest out) and the bounds: for white-box canaries
+    the per-step ratio scores (the statistic) beside their sum scores."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    scores, included = np.asarray(scores, dtype=float), np.asarray(included, dtype=bool)
-    fig, ax = plt.subplots(figsize=(6.5, 4.2))
-    bins = np.linspace(scores.min(), scores.max() + 1e-12, 60)
-    ax.hist(scores[included], bins=bins, alpha=0.5, color="tab:red", label=f"included ({included.sum()})")
-    ax.hist(scores[~included], bins=bins, alpha=0.5, color="tab:blue", label=f"excluded ({(~included).sum()})")
-    ordered = np.sort(scores)
-    if row["k_plus"]:
-        ax.axvline(ordered[-row["k_plus"]], color="black", ls="--", label=f"guessed in: top {row['k_plus']}")
-    if row["k_minus"]:
-        ax.axvline(ordered[row["k_minus"] - 1], color="gray", ls=":", label=f"guessed out: bottom {row['k_minus']}")
-    ax.set_xlabel("canary score" + (" (sum of its noisy coordinates / C)" if row["canaries"] == "dirac"
-                                    else " (minus its loss under the final model)"))
-    ax.set_ylabel("canaries")
-    ax.set_title(f"{row['variant']} ({row['canaries']}, m = {row['m']}): {row['correct']}/{row['guesses']} right, "
-                 f"eps >= {row['eps_lower']:.3g} (claim {row['claimed_eps']:.3g}, ceiling {row['eps_ceiling']:.3g})\n"
-                 f"{row['verdict']}", fontsize=8)
-    ax.legend(fontsize=8)
+    included = np.asarray(included, dtype=bool)
+    panels = [(np.asarray(scores, dtype=float), "canary score" + (" (sum of its noisy coordinates / C)"
+                                                                   if row["canaries"] == "dirac"
+                                                                   else " (minus its loss under the final model)"))]
+    if white_box is not None:
+        panels.insert(0, (white_box.llr_scores(), "canary score (sum of its per-step log-likelihood ratios)"))
+    fig, axes = plt.subplots(1, len(panels), figsize=(6.5 * len(panels), 4.2), squeeze=False)
+    for k, (ax, (values, label)) in enumerate(zip(axes[0], panels)):
+        bins = np.linspace(values.min(), values.max() + 1e-12, 60)
+        ax.hist(values[included], bins=bins, alpha=0.5, color="tab:red", label=f"included ({included.sum()})")
+        ax.hist(values[~included], bins=bins, alpha=0.5, color="tab:blue", label=f"excluded ({(~included).sum()})")
+        if k == 0:  # the statistic: the guesses the bound counts
+            ordered = np.sort(values)
+            if row["k_plus"]:
+                ax.axvline(ordered[-row["k_plus"]], color="black", ls="--", label=f"guessed in: top {row['k_plus']}")
+            if row["k_minus"]:
+                ax.axvline(ordered[row["k_minus"] - 1], color="gray", ls=":", label=f"guessed out: bottom {row['k_minus']}")
+        ax.set_xlabel(label)
+        ax.set_ylabel("canaries")
+        ax.legend(fontsize=8)
+    axes[0][0].set_title(f"{row['variant']} ({row['canaries']}, m = {row['m']}): {row['correct']}/{row['guesses']} right, "
+                         f"eps >= {row['eps_lower']:.3g} (Steinke; claim {row['claimed_eps']:.3g}, ceiling "
+                         f"{row['eps_ceiling']:.3g}); f-DP {row['fdp_eps_lower']:.3g}, GDP {row['gdp_eps_lower']:.3g}\n"
+                         f"{row['verdict']}", fontsize=8)
+    if white_box is not None:
+        axes[0][1].set_title(f"the sum statistic: Steinke {row['sum_eps_lower']:.3g}, f-DP {row['sum_fdp_eps_lower']:.3g}, "
+                             f"GDP {row['sum_gdp_eps_lower']:.3g}", fontsize=8)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=130)
@@ -186,7 +341,8 @@ def figure(scores: np.ndarray, included: np.ndarray, row: dict, path: Path) -> P
     return path
 
 
-def record(row: dict, scores: np.ndarray, included: np.ndarray, *, task: str, out: Path, params: dict) -> Path:
+def record(row: dict, scores: np.ndarray, included: np.ndarray, *, task: str, out: Path, params: dict,
+           white_box=None) -> Path:
     """One MLflow run for one audited training (tags kind=audit, scope=run): the row's settings as
     parameters, its bounds as metrics, the verdict as a tag, the figure and the scores (with the
     inclusion bits, revealed now that the run is scored) as artifacts."""
@@ -197,27 +353,40 @@ def record(row: dict, scores: np.ndarray, included: np.ndarray, *, task: str, ou
     name = f"{row['variant']}-{row['canaries']}"
     tags = {"kind": "audit", "scope": "run", "task": task, "variant": row["variant"], "canaries": row["canaries"]}
     with tracking.run(f"audit {task} run {name}", tags):
-        metrics = ("eps_lower", "gaussian_claim_rejected", "eps_ceiling", "power", "correct", "mu_used", "mu_claimed")
-        tracking.log_params("audit", {k: v for k, v in row.items() if k not in metrics and k != "verdict"})
+        tracking.log_params("audit", {k: v for k, v in row.items() if k not in METRICS and k != "verdict"})
         tracking.log_params("train", params)
-        tracking.log_metrics("audit", {k: min(float(row[k]), 1e6) for k in metrics})
+        tracking.log_metrics("audit", {k: min(float(row[k]), 1e6) for k in METRICS if math.isfinite(row[k])})
         tracking.set_tag("verdict", row["verdict"])
-        fig = figure(scores, included, row, out / f"audit_run_{name}.png")
+        fig = figure(scores, included, row, out / f"audit_run_{name}.png", white_box)
         table = out / f"audit_run_{name}_scores.csv"
-        pd.DataFrame({"score": scores, "included": included}).to_csv(table, index=False)
+        columns = {"score": scores, "included": included}
+        if white_box is not None:
+            columns = {"llr": white_box.llr_scores(), **columns}
+        pd.DataFrame(columns).to_csv(table, index=False)
         tracking.log_artifacts(fig, table)
     return fig
 
 
+METRICS = ("eps_lower", "fdp_eps_lower", "gdp_mu", "gdp_eps_lower", "best_bound", "sum_eps_lower", "sum_fdp_eps_lower",
+           "sum_gdp_eps_lower", "eps_ceiling", "fdp_ceiling", "gdp_ceiling", "power", "correct", "mu_used", "mu_claimed",
+           "sigma_effective", "sanity_p")  # a row's numbers, logged as MLflow metrics
+
+
 def markdown(table, scale: str) -> str:
-    """The audit's table: one row per audited run."""
-    lines = [f"Whole-run audit (Steinke et al.'s one-run bound, {100 * table['confidence'].iloc[0]:.0f}% confidence), "
-             f"{scale}\n", "| variant | canaries | m | examples | steps | sigma used (claimed) | q used | correct / guesses "
-             "| eps lower bound | claim | ceiling | power | verdict |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    """The audit's table: one row per audited run, the three bounds of its statistic (and, for
+    white-box canaries, of the sum score) with their ceilings."""
+    f = (lambda v: "-" if not math.isfinite(v) else f"{v:.2f}")
+    lines = [f"Whole-run audit (one run, {100 * table['confidence'].iloc[0]:.0f}% confidence; statistic: per-step "
+             f"log-likelihood ratio for white-box canaries, minus the loss for input canaries), {scale}\n",
+             "| variant | canaries | m | steps | sigma used (claimed) | q used | Steinke eps >= | f-DP | GDP (mu) "
+             "| sum: Steinke / f-DP / GDP | ceilings | claim | power | sanity p | verdict |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in table.itertuples():
-        lines.append(f"| {r.variant} | {r.canaries} | {r.m} | {r.n} | {r.steps} | {r.sigma_used:.3f} ({r.sigma_claimed:.3f}) | "
-                     f"{r.sample_rate_used:.3g} | {r.correct} / {r.guesses} | {r.eps_lower:.3f} | {r.claimed_eps:g} | "
-                     f"{r.eps_ceiling:.2f} | {r.power:.2f} | {r.verdict} |")
+        lines.append(f"| {r.variant} | {r.canaries} | {r.m} | {r.steps} | {r.sigma_used:.3f} ({r.sigma_claimed:.3f}) | "
+                     f"{r.sample_rate_used:.3g} | {r.eps_lower:.3f} ({r.correct} / {r.guesses}) | {f(r.fdp_eps_lower)} | "
+                     f"{f(r.gdp_eps_lower)} ({r.gdp_mu:.2f}) | {f(r.sum_eps_lower)} / {f(r.sum_fdp_eps_lower)} / "
+                     f"{f(r.sum_gdp_eps_lower)} | {r.eps_ceiling:.2f} / {r.fdp_ceiling:.2f} / {f(r.gdp_ceiling)} | "
+                     f"{r.claimed_eps:g} | {r.power:.2f} | {f(r.sanity_p)} | {r.verdict} |")
     return "\n".join(lines) + "\n"
 
 
@@ -234,7 +403,8 @@ def publish(rows: list[dict], out: Path, report_dir, *, scale: str, claimed_eps:
     table.to_csv(out / "audit.csv", index=False)
     (out / "audit.md").write_text(markdown(table, scale))
     metrics = {f"{r['variant']}.{r['canaries']}.{k}": r[k] for r in rows
-               for k in ("eps_lower", "eps_ceiling", "power", "correct", "guesses") if math.isfinite(r[k])}
+               for k in ("eps_lower", "fdp_eps_lower", "gdp_eps_lower", "sum_eps_lower", "eps_ceiling", "power", "correct",
+                         "guesses", "sanity_p") if math.isfinite(r[k])}
     (out / "metrics.json").write_text(json.dumps(metrics | {"claimed_eps": claimed_eps, "runs": len(rows)}, indent=1) + "\n")
     where = [out]
     if report_dir:
@@ -271,17 +441,71 @@ def parse_variants(spec, key: str, variants: tuple[str, ...] = VARIANTS) -> list
     return out
 
 
+def _check_canaries(variants: list[tuple[str, str]], m_dirac: int, coordinates: int, key: str) -> None:
+    """m white-box canaries need m of the model's ``coordinates``."""
+    from pipeline.validation import ConfigError
+
+    if any(kind == "dirac" for _, kind in variants) and m_dirac > coordinates:
+        raise ConfigError(f"{key} = {m_dirac}: each white-box canary is one of the model's {coordinates:,} "
+                          "trainable coordinates")
+
+
+def plan(variants: list[tuple[str, str]], m: dict, *, claimed, eps: float, delta: float, accountant: str,
+         confidence: float, seeds: int = 3) -> list[dict]:
+    """What each configured audit can show before it runs: per variant, the training as run (its
+    sigma, q and steps), each bound's expected value for the per-step ratio and the sum statistics
+    (``expected``: the canaries alone, no data, so an upper estimate where the data's gradients add
+    spread on the canaries' coordinates) and each bound's ceiling for its m."""
+    rows = []
+    for variant, kind in variants:
+        used = actual_plan(claimed, "engine" if variant not in VARIANTS else variant, eps=eps, delta=delta,
+                           accountant=accountant)
+        row = {"variant": variant, "canaries": kind, "m": m[kind], "claimed_eps": eps, "sigma_used": used.sigma,
+               "sample_rate_used": used.sample_rate, "steps": used.steps}
+        row |= {f"ceiling_{k}": v for k, v in ceilings(m[kind], delta=delta, confidence=confidence).items()}
+        if kind == "dirac":
+            found = expected(m[kind], q=used.sample_rate, sigma=used.sigma, steps=used.steps, delta=delta,
+                             confidence=confidence, seeds=seeds)
+            row |= {f"{stat}_{k}": v for stat, per in found.items() for k, v in per.items()}
+        rows.append(row)
+    return rows
+
+
+def plan_only(cfg, variants: list[tuple[str, str]], m: dict, coordinates: int, key: str, *, claimed, eps: float,
+              delta: float, accountant: str) -> bool:
+    """``audit.plan_only=true``: print ``plan``'s table (before any training, MLflow run or folder) and
+    return True; otherwise False. Either way the canary count is checked first."""
+    _check_canaries(variants, m["dirac"], coordinates, key)
+    if not cfg.audit.get("plan_only"):
+        return False
+    from pipeline import preflight
+
+    rows = plan(variants, m, claimed=claimed, eps=eps, delta=delta, accountant=accountant,
+                confidence=float(cfg.audit.confidence))
+    f = (lambda v: "-" if v is None or not math.isfinite(v) else f"{v:.2f}")
+    print(f"audit plan (claim eps = {eps:g}, delta = {delta:g}, {100 * float(cfg.audit.confidence):.0f}% confidence; "
+          "expected values simulate the canaries alone, without the data's gradients: an upper estimate)")
+    print(f"{'variant':28s} {'m':>6s} {'sigma':>7s} {'q':>7s} {'steps':>6s}   expected Steinke / f-DP / GDP: per-step ratio "
+          "| sum          ceilings")
+    for r in rows:
+        name = f"{r['variant']}:{r['canaries']}"
+        exp = (f"{f(r.get('llr_steinke'))} / {f(r.get('llr_fdp'))} / {f(r.get('llr_gdp'))} | "
+               f"{f(r.get('sum_steinke'))} / {f(r.get('sum_fdp'))} / {f(r.get('sum_gdp'))}"
+               if r["canaries"] == "dirac" else "input canaries: no model of their scores")
+        print(f"{name:28s} {r['m']:6d} {r['sigma_used']:7.3f} {r['sample_rate_used']:7.3g} {r['steps']:6d}   {exp}   "
+              f"{f(r['ceiling_steinke'])} / {f(r['ceiling_fdp'])} / {f(r['ceiling_gdp'])}", flush=True)
+    preflight.forget_run_folder()  # nothing ran: no folder left
+    return True
+
+
 def start(cfg, variants: list[tuple[str, str]], m_dirac: int, coordinates: int, key: str) -> Path:
     """The audit's folder (Hydra's run folder, emptied of an earlier audit's figures) and its MLflow
     store, once the last refusal is passed: m white-box canaries need m of the model's ``coordinates``."""
     import shutil
 
     from pipeline import tracking
-    from pipeline.validation import ConfigError
 
-    if any(kind == "dirac" for _, kind in variants) and m_dirac > coordinates:
-        raise ConfigError(f"{key} = {m_dirac}: each white-box canary is one of the model's {coordinates:,} "
-                          "trainable coordinates")
+    _check_canaries(variants, m_dirac, coordinates, key)
     out = tracking.output_dir()
     out.mkdir(parents=True, exist_ok=True)
     shutil.rmtree(out / "runs", ignore_errors=True)  # a folder run into again holds this audit's figures only
@@ -292,6 +516,6 @@ def start(cfg, variants: list[tuple[str, str]], m_dirac: int, coordinates: int, 
 def line(row: dict) -> str:
     """One audited run, as the audit prints it."""
     return (f"{row['variant']:19s} {row['canaries']:5s}: eps_lower {row['eps_lower']:.3f} (claim {row['claimed_eps']:g}, "
-            f"ceiling {row['eps_ceiling']:.2f}, power {row['power']:.2f})  {row['correct']}/{row['guesses']} right  "
-            f"{row['verdict']}")
+            f"ceiling {row['eps_ceiling']:.2f}, power {row['power']:.2f}; f-DP {row['fdp_eps_lower']:.3f}, GDP "
+            f"{row['gdp_eps_lower']:.3f})  {row['correct']}/{row['guesses']} right  {row['verdict']}")
 

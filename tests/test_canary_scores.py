@@ -1,0 +1,115 @@
+"""White-box canaries' per-step log-likelihood ratio scores (``pipeline/canaries.py``) and what the
+whole-run audit builds on them (``pipeline/run_audit.py``): the ratio is the Poisson-subsampled
+Gaussian mechanism's, the per-step moments are read without the inclusion bits, the ratio keeps what
+the sum throws away where the noise is small, the simulation of a run without data is what a real
+run's excluded canaries follow (and replayed noise breaks that), and ``audit.plan_only`` prints each
+bound's expected value and ceiling before anything runs."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+from scipy.stats import norm
+
+from pipeline import auditing, run_audit
+from pipeline.canaries import DiracCanaries, step_llr, step_moments
+
+
+def test_the_step_ratio_is_the_subsampled_gaussian_likelihood_ratio():
+    y = np.linspace(-4, 6, 41)
+    for q, v, mu, C in ((0.1, 1.0, 0.0, 1.0), (0.5, 0.3, 0.2, 2.0), (1.0, 2.0, -1.0, 0.5)):
+        want = np.log(((1 - q) * norm.pdf(y, mu, np.sqrt(v)) + q * norm.pdf(y, mu + C, np.sqrt(v)))
+                      / norm.pdf(y, mu, np.sqrt(v)))
+        np.testing.assert_allclose(step_llr(y, mu=mu, v=v, q=q, C=C), want, rtol=1e-10, atol=1e-12)
+
+
+def test_a_steps_moments_are_read_without_the_bits():
+    # m observations: half the canaries included, each sampled with q; the excluded law N(0.3, 2.0)
+    rng = np.random.default_rng(0)
+    m, q, C = 200_000, 0.2, 1.5
+    bits = rng.random(m) < 0.5
+    y = 0.3 + np.sqrt(2.0) * rng.standard_normal(m) + C * (bits & (rng.random(m) < q))
+    mu, v = step_moments(y, q=q, C=C)
+    assert mu == pytest.approx(0.3, abs=0.01) and v == pytest.approx(2.0, rel=0.02)
+    assert step_moments(np.zeros(10), q=q, C=C)[1] == pytest.approx(C * C * 1e-6)  # floored, never zero
+
+
+def _run(m, steps, sigma, *, replay_from=None, seed=0):
+    """Dirac canaries on a model with no data (zero gradients), sigma C noise once per step (the shared
+    trainer's ``add_noise``); ``replay_from``: steps after it draw the noise of the steps from the start."""
+    from pipeline.dpsgd import noise
+
+    params = [torch.nn.Parameter(torch.zeros(m))]
+    can = DiracCanaries(params, m=m, C=1.0, sample_rate=0.25, seed=seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    start = g.get_state()
+    for t in range(steps):
+        if replay_from is not None and t == replay_from:
+            g.set_state(start)
+        params[0].grad = torch.zeros(m)
+        can.add()
+        noise.add_noise(params, sigma, 1.0, g)
+        can.observe()
+    return can
+
+
+def test_the_ratio_keeps_what_the_sum_throws_away_at_small_noise():
+    can = _run(4000, 60, 0.6)
+    bits = can.reveal()
+    kw = dict(delta=1e-5, confidence=0.95, guesses=run_audit.default_guesses(4000))
+    ratio = auditing.one_run_bound(can.llr_scores(), bits, **kw).eps_lower
+    total = auditing.one_run_bound(can.scores(), bits, **kw).eps_lower
+    assert ratio > total + 0.3 and ratio > 2.0
+
+
+def test_a_run_without_data_matches_its_simulation_and_replayed_noise_does_not():
+    @dataclasses.dataclass
+    class Plan:
+        sigma: float
+        sample_rate: float = 0.25
+        steps: int = 80
+
+    honest = _run(3000, 80, 1.0, seed=2)
+    assert run_audit.sanity(honest, honest.reveal(), Plan(1.0)) > 0.01
+    replayed = _run(3000, 80, 1.0, replay_from=40, seed=2)  # the resume control's defect
+    assert run_audit.sanity(replayed, replayed.reveal(), Plan(1.0)) < 1e-4
+    # the simulation itself: the canaries alone, as scored in a run
+    linear, llr, bits = run_audit.simulate(2000, q=0.25, sigma=1.0, steps=50, seed=0)
+    assert linear.shape == llr.shape == bits.shape == (2000,)
+    assert linear[bits].mean() == pytest.approx(0.25 * 50, rel=0.1) and abs(linear[~bits].mean()) < 0.5
+
+
+def test_the_plan_prints_each_bounds_expected_value_and_ceiling_before_anything_runs(capsys):
+    from omegaconf import OmegaConf
+
+    from pipeline.validation import ConfigError
+
+    @dataclasses.dataclass
+    class Plan:
+        sigma: float
+        sample_rate: float
+        steps: int
+
+    claimed = Plan(1.7, 0.25, 60)
+    cfg = OmegaConf.create({"audit": {"plan_only": True, "confidence": 0.95}})
+    variants = [("engine", "dirac"), ("no_noise", "dirac"), ("engine", "input")]
+    m = {"dirac": 500, "input": 100}
+    assert run_audit.plan_only(cfg, variants, m, 10_000, "audit.lm.m", claimed=claimed, eps=8.0, delta=1e-5,
+                               accountant="prv")
+    out = capsys.readouterr().out
+    assert "audit plan (claim eps = 8" in out and "engine:dirac" in out and "input canaries: no model" in out
+    rows = run_audit.plan(variants, m, claimed=claimed, eps=8.0, delta=1e-5, accountant="prv", confidence=0.95, seeds=1)
+    engine, bare = rows[0], rows[1]
+    for kind in ("steinke", "fdp", "gdp"):
+        assert 0 <= engine[f"llr_{kind}"] <= engine[f"ceiling_{kind}"] + 1e-9
+        assert bare[f"llr_{kind}"] >= engine[f"llr_{kind}"]
+    assert engine["ceiling_steinke"] == pytest.approx(auditing.one_run_ceiling(
+        500, delta=1e-5, guesses=run_audit.default_guesses(500)))
+    cfg.audit.plan_only = False
+    assert not run_audit.plan_only(cfg, variants, m, 10_000, "audit.lm.m", claimed=claimed, eps=8.0, delta=1e-5,
+                                   accountant="prv")
+    with pytest.raises(ConfigError, match="audit.lm.m = 500: each white-box canary is one of the model's 400"):
+        run_audit.plan_only(cfg, variants, m, 400, "audit.lm.m", claimed=claimed, eps=8.0, delta=1e-5, accountant="prv")
