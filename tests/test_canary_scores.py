@@ -113,3 +113,34 @@ def test_the_plan_prints_each_bounds_expected_value_and_ceiling_before_anything_
                                    accountant="prv")
     with pytest.raises(ConfigError, match="audit.lm.m = 500: each white-box canary is one of the model's 400"):
         run_audit.plan_only(cfg, variants, m, 400, "audit.lm.m", claimed=claimed, eps=8.0, delta=1e-5, accountant="prv")
+
+
+def test_a_stages_audits_over_seeds_are_summarised_per_claim_model_and_variant(tmp_path):
+    import json
+
+    import pandas as pd
+
+    base = {"canaries": "dirac", "m": 100, "eps_lower": 0.2, "fdp_eps_lower": 0.3, "gdp_eps_lower": 0.4,
+            "best_bound": 0.4, "sum_eps_lower": 0.2, "eps_ceiling": 4.0, "fdp_ceiling": 8.0, "gdp_ceiling": 20.0,
+            "power": 0.5, "sanity_p": 0.3, "confidence": 0.95}
+    verdicts = {0: ("too weak to say (...)", "violation"), 1: ("consistent", "violation of the Gaussian trade-off (...)")}
+    for seed, (honest, control) in verdicts.items():
+        folder = tmp_path / "runs" / f"eps1-tied-seed{seed}"
+        folder.mkdir(parents=True)
+        pd.DataFrame([base | {"variant": "engine", "verdict": honest},
+                      base | {"variant": "noise_halved", "verdict": control, "eps_lower": 1.5 + seed}]).to_csv(
+            folder / "audit.csv", index=False)
+    (tmp_path / "runs" / "eps8-untied-seed0").mkdir()
+    pd.DataFrame([base | {"variant": "engine", "verdict": "consistent", "best_bound": 5.0}]).to_csv(
+        tmp_path / "runs" / "eps8-untied-seed0" / "audit.csv", index=False)
+    (tmp_path / "runs" / "notes").mkdir()  # not an audit's folder: left alone
+    summary = run_audit.summarize(tmp_path).set_index(["claim", "model", "variant"])
+    assert summary.loc[(1.0, "tied", "noise_halved"), ["seeds", "proofs", "gaussian", "flagged"]].tolist() == [2, 1, 1, 2]
+    assert summary.loc[(1.0, "tied", "noise_halved"), "eps_lower_median"] == pytest.approx(2.0)
+    assert summary.loc[(1.0, "tied", "engine"), "flagged"] == 0
+    assert summary.loc[(8.0, "untied", "engine"), "best_bound_median"] == 5.0
+    rows = pd.read_csv(tmp_path / "audit.csv")
+    assert len(rows) == 5 and set(rows["seed"]) == {0, 1}
+    assert "| 1 | tied | noise_halved | dirac | 100 | 2 | 1 | 1 | 2.00 [1.50, 2.50] |" in (tmp_path / "audit.md").read_text()
+    metrics = json.loads((tmp_path / "metrics.json").read_text())
+    assert metrics["eps1.tied.noise_halved.dirac.flagged"] == 2 and metrics["runs"] == 5

@@ -52,13 +52,13 @@ def _copy(tmp_path) -> Path:
         f"amazon: {AMAZON}\ndpformer_synthetic_data: synthetic_longtail_tiny\ndpformer_amazon_data: amazon_games_tiny\n"
         "dpformer_jobs: 1\ndpformer_device: cpu\ndpformer_extra: seed=0 seqrec.epochs=1 seqrec.batch_size=128 model.d=8 model.d_ff=16 "
         "mlflow.tracking_uri=sqlite:///mlflow.db\ndpformer_fig3_grid: --B 2 --L 4 --M 20 --repeats 1\n"
-        "dpformer_audit_m: 200\ndpformer_audit_input_m: 20\ndpformer_audit_extra: seqrec.epochs=2 seqrec.batch_size=50 "
+        "dpformer_audit_seeds: 0\ndpformer_audit_m: 200\ndpformer_audit_input_m: 20\ndpformer_audit_extra: seqrec.epochs=2 seqrec.batch_size=50 "
         "model.d=8 model.d_ff=16 mlflow.tracking_uri=sqlite:///mlflow.db\n"
         "lm_jobs: 1\nlm_device: cpu\nlm_extra: dataset.posts=60 dataset.eval_posts=10 dataset.L=8 vocab.size=300 "
         "model.d=8 model.layers=1 model.heads=2 train.batch_size=20 train.epochs=1 train.validate_every=1 "
         "privacy.eps=1,inf seed=0,1 mlflow.tracking_uri=sqlite:///mlflow.db\n"
         "lm_cost_grid: --V 300 600 --B 2 --L 4 --d 8 --layers 1 --heads 2 --repeats 1\n"
-        "lm_audit_m: 200\nlm_audit_input_m: 20\nlm_audit_extra: dataset.posts=60 dataset.eval_posts=10 dataset.L=8 "
+        "lm_audit_seeds: 0\nlm_audit_m: 200\nlm_audit_input_m: 20\nlm_audit_extra: dataset.posts=60 dataset.eval_posts=10 dataset.L=8 "
         "vocab.size=300 model.d=8 model.layers=1 model.heads=2 train.batch_size=20 train.epochs=2 "
         "mlflow.tracking_uri=sqlite:///mlflow.db\n"
     )
@@ -117,11 +117,13 @@ def _dpformer_artifacts(repo: Path) -> None:
     for control in ("dpformer:form-off:errors-adam", "dpformer:presence-public:form-off:blocks-2",
                     "dpformer:form-off:errors-adam:blocks-2"):  # without correction, errors and blocks do nothing:
         assert test.xs(control).equals(reference), control  # the same training, bit for bit
-    audit = pd.read_csv(repo / "artifacts/dpformer_audit_run/audit.csv")  # the whole-run audit: ten runs, three of input canaries
-    assert len(audit) == 10 and list(audit["canaries"]).count("input") == 3 and set(audit["m"]) == {200, 20}
+    # the whole-run audits, one seed here: eps = 1 and its seven variants, eps = 8, three of input canaries
+    audit = pd.read_csv(repo / "artifacts/dpformer_audit_run/audit.csv")
+    assert len(audit) == 11 and list(audit["canaries"]).count("input") == 3 and set(audit["m"]) == {200, 20}
+    assert set(audit["claim"]) == {1.0, 8.0} and set(audit["seed"]) == {0}
     assert (audit["eps_lower"] <= audit["eps_ceiling"]).all() and audit["verdict"].notna().all()
-    assert "| one_branch | dirac | 200 |" in (repo / "artifacts/dpformer_audit_run/audit.md").read_text()
-    assert len(list((repo / "artifacts/dpformer_audit_run/runs").glob("*.png"))) == 10
+    assert "| 1 | tied | one_branch | dirac | 200 | 1 |" in (repo / "artifacts/dpformer_audit_run/audit.md").read_text()
+    assert len(list((repo / "artifacts/dpformer_audit_run/runs").glob("*/runs/*.png"))) == 11
     distraction = repo / "artifacts/dpformer_distraction"  # the distraction measurement (pipeline/seqrec/distraction.py)
     assert "| paper | 8 |" in (distraction / "table.md").read_text()
     assert "paper.eps8.corrected.tail" in json.loads((distraction / "metrics.json").read_text())
@@ -141,12 +143,15 @@ def _lm_artifacts(repo: Path) -> None:
     cost = json.loads((repo / "artifacts/lm_cost/cost.json").read_text())
     assert len(cost) == 12 and all("error" not in r for r in cost)  # six engines and tyings at two V
     assert (repo / "artifacts/lm_cost/cost.png").stat().st_size > 0
-    audit = pd.read_csv(repo / "artifacts/lm_audit_run/audit.csv")  # the whole-run audit: six variants, two with input canaries
-    assert len(audit) == 8 and list(audit["canaries"]).count("input") == 2 and set(audit["m"]) == {200, 20}
+    # the whole-run audits, one seed here: eps = 1 and its six variants, eps = 8 tied and untied, two of input canaries
+    audit = pd.read_csv(repo / "artifacts/lm_audit_run/audit.csv")
+    assert len(audit) == 10 and list(audit["canaries"]).count("input") == 2 and set(audit["m"]) == {200, 20}
+    assert set(zip(audit["claim"], audit["model"])) == {(1.0, "tied"), (8.0, "tied"), (8.0, "untied")}
     assert (audit["eps_lower"] <= audit["eps_ceiling"]).all() and audit["verdict"].notna().all()
-    assert "| resume_reuses_noise | dirac | 200 |" in (repo / "artifacts/lm_audit_run/audit.md").read_text()
-    assert len(list((repo / "artifacts/lm_audit_run/runs").glob("*.png"))) == 8
-    assert "no_noise.dirac.eps_ceiling" in json.loads((repo / "artifacts/lm_audit_run/metrics.json").read_text())
+    table = (repo / "artifacts/lm_audit_run/audit.md").read_text()
+    assert "| 1 | tied | resume_reuses_noise | dirac | 200 | 1 |" in table and "| 8 | untied | engine | dirac | 200 | 1 |" in table
+    assert len(list((repo / "artifacts/lm_audit_run/runs").glob("*/runs/*.png"))) == 10
+    assert "eps1.tied.no_noise.dirac.proofs" in json.loads((repo / "artifacts/lm_audit_run/metrics.json").read_text())
 
 
 def _stages(task: str) -> list[str]:
