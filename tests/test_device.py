@@ -318,7 +318,7 @@ def test_the_gpu_checks_script_refuses_an_unknown_part_before_anything(tmp_path)
                           cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert done.returncode == 2
     assert done.stderr.strip().splitlines() == [
-        "error: unknown part 'bogus' (all, 1, 2, env, tests, step, clipping, figures, amazon)"]
+        "error: unknown part 'bogus' (1, 2, env, tests, step, clipping, amazon, figures)"]
     assert done.stdout == "" and not out.exists()
 
 
