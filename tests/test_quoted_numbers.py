@@ -381,3 +381,17 @@ def test_the_guards_cost_is_its_json_and_within_its_target():
         assert r["guard_share"] <= 0.03, r
         assert (f"{r['guard_seconds'] * 1e3:.2f} ms of a {r['seconds']:.2f} s step at B = {r['B']} "
                 f"({r['guard_share']:.3%})") in page, r
+
+
+def test_the_validation_pass_costs_are_their_json():
+    """docs/running.md's validation costs (benchmarks/seqrec_validation.py) are the committed run's JSON:
+    each model's seconds per 1,000 users with every position's scores and with the last's, and the
+    largest score difference between the two."""
+    rows = {(r["model"], r["mode"]): r for r in json.loads((ROOT / "docs/seqrec_validation.json").read_text())}
+    page = " ".join((ROOT / "docs/running.md").read_text().split())
+    for model, name in (("transformer", "the Transformer"), ("dpformer", "DPFormer")):
+        full, last = rows[(model, "every position")], rows[(model, "last position")]
+        assert f"{full['seconds_per_1000_users']:.3f} s" in page and f"{last['seconds_per_1000_users']:.3f} s" in page
+        assert last["max_score_difference"] < 1e-6 and last["speedup"] > 1
+    worst = max(r.get("max_score_difference", 0) for r in rows.values())
+    assert f"the same to {worst:.1e}" in page

@@ -85,3 +85,17 @@ def test_from_json_draws_without_timing_and_rejects_bad_input(tmp_path):
     proc = run("--engines", "bogus:transformer")
     assert proc.returncode == 2 and "'bogus:transformer'" in proc.stderr
     assert not (tmp_path / "x.png").exists()
+
+
+def test_the_validation_benchmark_ranks_the_last_position_as_the_full_forward_does(tmp_path, capsys):
+    from benchmarks import seqrec_validation
+
+    rows = seqrec_validation.main(["--users", "8", "--M", "30", "--L", "6", "--batch", "4", "--repeats", "1",
+                                   "--json", str(tmp_path / "rows.json")])
+    assert [(r["model"], r["mode"]) for r in rows] == [(m, k) for m in ("transformer", "dpformer")
+                                                       for k in ("every position", "last position")]
+    assert all(r["max_score_difference"] < 1e-5 for r in rows if "speedup" in r)
+    assert "s per 1,000 users" in capsys.readouterr().out and (tmp_path / "rows.json").is_file()
+    with pytest.raises(SystemExit) as stop:
+        seqrec_validation.main(["--users", "0"])
+    assert stop.value.code == 2
