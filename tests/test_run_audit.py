@@ -299,3 +299,16 @@ def test_the_cost_benchmark_times_a_run_with_and_without_canaries(experiment):
     row = audit_cost.main(["--experiment", experiment, "--m", "200", "--repeats", "1"])
     assert row["m"] == 200 and row["steps"] >= 1 and row["plain_s"] > 0 and row["audited_s"] > 0
     assert row["ratio"] == pytest.approx(row["audited_s"] / row["plain_s"])
+
+
+@pytest.mark.slow
+def test_the_cli_plans_an_audit_without_training_or_leaving_a_folder(tmp_path):
+    proc = _audit_cli(tmp_path, "experiment=lm_ci", "audit.scope=run", "audit.lm.m=200",
+                      "audit.lm.variants=[engine,no_noise]", "audit.plan_only=true", "privacy.eps=8")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = proc.stdout.splitlines()
+    assert any(line.startswith("audit plan (claim eps = 7.2") for line in lines)  # DP-SGD's share: the vocabulary took 10%
+    assert sum(line.startswith(("engine:dirac", "no_noise:dirac")) for line in lines) == 2
+    assert not (tmp_path / "out" / "audit").exists() and not (tmp_path / "mlflow.db").exists()  # nothing ran or left
+    bad = _audit_cli(tmp_path, "experiment=lm_ci", "audit.scope=run", "audit.plan_only=maybe")
+    assert bad.returncode == 2 and bad.stderr.strip().splitlines()[-1].startswith("error: audit.plan_only")
