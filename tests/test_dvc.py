@@ -17,7 +17,7 @@ ARCHIVE = ROOT.parent / "shared" / "data" / "20news-bydate.tar.gz"
 AMAZON = ROOT.parent / "shared" / "data" / "amazon-games-sasrec.txt"
 STAGES = ("fig1", "fig2", "fig3", "fig4", "fig5", "table1", "fig6", "beyond_lowdim", "beyond_highdim")
 DPFORMER = ("dpformer_fig2", "dpformer_table1", "dpformer_fig7", "dpformer_table2")
-LM = ("lm_tying", "lm_cost", "lm_audit_run")
+LM = ("lm_tying", "lm_cost", "lm_audit_run", "lm_pretrain", "lm_finetune")
 PREFIXES = {"dpformer": "dpformer_", "lm": "lm_"}  # a stage's task by its name; NoisyHead's have no prefix
 
 pytestmark = pytest.mark.skipif(shutil.which("dvc") is None or not ARCHIVE.is_file() or not AMAZON.is_file(),
@@ -28,6 +28,11 @@ def run(cmd, cwd, env=None):
     proc = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=1800, env=env)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     return proc.stdout + proc.stderr
+
+
+LM_SPLIT_SHAPE = ("dataset.posts=60 dataset.eval_posts=10 dataset.L=8 vocab.size=300 model.d=8 model.layers=1 "
+                  "model.heads=2 train.batch_size=20 train.epochs=1 train.validate_every=1 "
+                  "mlflow.tracking_uri=sqlite:///mlflow.db")  # lm_pretrain's and lm_finetune's CI size
 
 
 def _copy(tmp_path) -> Path:
@@ -61,6 +66,8 @@ def _copy(tmp_path) -> Path:
         "lm_audit_seeds: 0\nlm_audit_m: 200\nlm_audit_input_m: 20\nlm_audit_extra: dataset.posts=60 dataset.eval_posts=10 dataset.L=8 "
         "vocab.size=300 model.d=8 model.layers=1 model.heads=2 train.batch_size=20 train.epochs=2 "
         "mlflow.tracking_uri=sqlite:///mlflow.db\n"
+        f"lm_pretrain_extra: {LM_SPLIT_SHAPE}\n"  # the fine-tuning's shape must be the pretraining's: one string for both
+        f"lm_finetune_extra: {LM_SPLIT_SHAPE} privacy.eps=8,inf seed=0,1\n"
     )
     run(["git", "init", "-q"], repo)
     run(["git", "-c", "user.name=ci", "-c", "user.email=ci@example.org", "add", "-A"], repo)
@@ -152,6 +159,26 @@ def _lm_artifacts(repo: Path) -> None:
     assert "| 1 | tied | resume_reuses_noise | dirac | 200 | 1 |" in table and "| 8 | untied | engine | dirac | 200 | 1 |" in table
     assert len(list((repo / "artifacts/lm_audit_run/runs").glob("*/runs/*.png"))) == 10
     assert "eps1.tied.no_noise.dirac.proofs" in json.loads((repo / "artifacts/lm_audit_run/metrics.json").read_text())
+    # issue 65: the public groups' pretraining (tied and untied, each vocabulary), then DP fine-tuning from each
+    models = sorted(p.name for p in (repo / "artifacts/lm_pretrain/models").iterdir())
+    assert models == ["private_groups-tied.pt", "private_groups-untied.pt", "public_groups-tied.pt",
+                      "public_groups-untied.pt"], models
+    pretrain = pd.read_csv(repo / "artifacts/lm_pretrain/results.csv")
+    assert set(pretrain["part"]) == {"public"} and set(pretrain["eps"]) == {float("inf")} and len(pretrain.groupby(
+        ["vocab", "tying"])) == 4
+    out = repo / "artifacts/lm_finetune"  # two vocabularies x tied and untied x eps 8 and inf x two learning rates x two seeds
+    assert json.loads((out / "metrics.json").read_text())["cells"] == 32
+    results = pd.read_csv(out / "results.csv")
+    assert set(results["part"]) == {"private"} and "pretrained" in set(results["method"])
+    gains = pd.read_csv(out / "gains.csv")
+    assert len(gains) == 4 and set(gains[gains["eps"] == 8.0]["verdict"]) <= {"reproduced", "contradicted", "inconclusive"}
+    checks = pd.read_csv(out / "checks.csv")  # each vocabulary, eps and model against the public-only and unigram models
+    assert len(checks) == 16 and set(checks["reference"]) == {"public-only", "unigram"}
+    assert set(checks["verdict"]) <= {"beats", "does not beat", "inconclusive"}
+    table = (out / "table.md").read_text()
+    assert "| public-only (tied) (vocab=public_groups) |" in table and table.count("- **The setting (vocab=") == 2
+    assert len(pd.read_csv(out / "grid.csv")) == 8 and set(pd.read_csv(out / "buckets.csv")["bucket"]) == {"head", "torso", "tail"}
+    assert "vocab_public_groups.check.large_enough" in json.loads((out / "metrics.json").read_text())
 
 
 def _stages(task: str) -> list[str]:
@@ -230,6 +257,16 @@ LOADS = {  # what a stage's process imports: its entry points and the modules it
                  "pipeline.lm.prepare", "pipeline.lm.memory", "pipeline.lm.engines", "pipeline.clipping",
                  "pipeline.clipping.opacus", "hydra_plugins.pipeline_sweeper.validating_sweeper",
                  "hydra_plugins.pipeline_sweeper.searchpath"],
+    "lm_pretrain": ["pipeline.__main__", "pipeline.tasks", "pipeline.overrides", "pipeline.preflight", "pipeline.sweep",
+                    "pipeline.lm.task", "pipeline.lm.cell", "pipeline.lm.sweep", "pipeline.lm.config",
+                    "pipeline.lm.prepare", "pipeline.lm.pretrained", "pipeline.lm.memory", "pipeline.lm.engines",
+                    "pipeline.clipping", "pipeline.clipping.opacus", "hydra_plugins.pipeline_sweeper.validating_sweeper",
+                    "hydra_plugins.pipeline_sweeper.searchpath"],
+    "lm_finetune": ["pipeline.__main__", "pipeline.tasks", "pipeline.overrides", "pipeline.preflight", "pipeline.sweep",
+                    "pipeline.lm.task", "pipeline.lm.cell", "pipeline.lm.sweep", "pipeline.lm.config",
+                    "pipeline.lm.prepare", "pipeline.lm.pretrained", "pipeline.lm.memory", "pipeline.lm.engines",
+                    "pipeline.clipping", "pipeline.clipping.opacus", "hydra_plugins.pipeline_sweeper.validating_sweeper",
+                    "hydra_plugins.pipeline_sweeper.searchpath"],
     "lm_audit_run": ["pipeline.audit", "pipeline.tasks", "pipeline.overrides", "pipeline.preflight", "pipeline.lm.task",
                      "pipeline.lm.audit", "pipeline.lm.config", "pipeline.lm.prepare", "pipeline.lm.train",
                      "pipeline.lm.models", "pipeline.lm.engines", "pipeline.run_audit", "pipeline.auditing",

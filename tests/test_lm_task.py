@@ -237,6 +237,8 @@ def test_a_tying_sweep_of_the_ci_preset_runs_end_to_end(run_cli):
     ("dataset.archive=pyproject.toml", "is not a readable 20news-bydate tarball"),
     ("dataset.posts=100000", "dataset.posts = 100000 is more than the"),
     ("clipping=per_sample", "clipping=per_sample: per_sample is an option of the config group clipping of task=seqrec"),
+    ("dataset.public_groups=[rec.sport.cricket]", "dataset.public_groups: 'rec.sport.cricket' is not one of the 20 newsgroups"),
+    ("model.init=missing", "model.init = 'missing' with dataset.part = 'all'"),
 ])
 def test_bad_input_is_one_error_line_before_any_folder(run_cli, override, message):
     proc = run_cli("experiment=lm_ci", override, expect_ok=False)

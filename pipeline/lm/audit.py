@@ -158,6 +158,9 @@ def validate(cfg) -> tuple:
     if s.engine == "none" or not math.isfinite(s.eps):
         raise ConfigError(f"clipping.name = {s.engine!r}, privacy.eps = {s.eps:g}: the whole-run audit audits a "
                           "private run (a clipping engine and a finite eps)")
+    if s.init is not None or s.examples != "post":
+        raise ConfigError(f"model.init = {s.init!r}, dataset.examples = {s.examples!r}: the whole-run audit trains from "
+                          "random weights on one example per post (model.init=null, dataset.examples=post)")
     if any(v == "resume_reuses_noise" for v, _ in variants) and s.epochs < 2:
         raise ConfigError(f"audit.lm.variants: resume_reuses_noise stops the run after half its epochs; "
                           f"train.epochs = {s.epochs} has no half (at least 2)")
@@ -170,7 +173,7 @@ def from_config(cfg):
     each an MLflow run (kind=audit, scope=run) with its figure and scores; ``audit.csv``,
     ``audit.md`` and ``metrics.json`` hold every row (in the run's folder, and in ``report.dir``
     where set: a DVC stage's artifacts)."""
-    from pipeline.lm import models
+    from pipeline.lm import config, models
     from pipeline.lm.prepare import prepare
 
     s, m, variants = validate(cfg)  # before anything is created or computed
@@ -184,7 +187,7 @@ def from_config(cfg):
                             dropout=s.dropout, eos_id=prep.eos_id)
 
     coordinates = sum(p.numel() for p in build().parameters() if p.requires_grad)
-    eps, delta = (1 - s.vocab_share) * s.eps, (1 - s.vocab_share) * s.delta
+    eps, delta = config.dpsgd_budget(s)  # what the vocabulary leaves of the run's budget
     claimed = train.plan(n_posts=int(prep.rows.shape[0]), batch_size=s.batch_size, epochs=s.epochs, eps=eps,
                          delta=delta, private=True, vocab_share=0.0, accountant=s.accountant)
     if run_audit.plan_only(cfg, variants, m, coordinates, "audit.lm.m", claimed=claimed, eps=eps, delta=delta,

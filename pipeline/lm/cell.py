@@ -1,11 +1,15 @@
 """One language-model cell: posts and vocabulary -> DP-SGD training -> evaluation, as one MLflow run.
 
+A pretraining (``model.save``) writes its trained model, tokenizer and settings into that folder
+at its end (``pretrained.py``).
+
 Parameters: ``data.*`` (posts, targets, vocabulary size, pieces released by the private selection),
 ``train.*`` (tying, engine, calibration: ``train.sigma``, ``train.eps_spent`` as the accountant
 reports it plus the vocabulary's share). Step metrics (per epoch): ``train.loss``,
 ``train.mean_grad_norm``, ``evaluate.valid_perplexity``. Final metrics: ``evaluate.<method>.<split>_*``
-for the model (``lm``), ``unigram`` and ``unigram_dp``. Artifacts: ``results.csv`` (one row per
-method and split), ``history.csv``, ``curves.png``; while it trains, ``checkpoint.pt`` (``train.checkpoint``: a run re-launched into
+for the model (``lm``), ``unigram`` and ``unigram_dp``, and (a fine-tuning, ``model.init``) the
+public-only model: the pretrained weights evaluated before any private post (``pretrained``).
+Artifacts: ``results.csv`` (one row per method and split), ``history.csv``, ``curves.png``; while it trains, ``checkpoint.pt`` (``train.checkpoint``: a run re-launched into
 its folder, or a resumed sweep's cell, continues from its last finished epoch; removed once FINISHED).
 
 What a private run logs besides the model (per-epoch loss and mean gradient norm, validation
@@ -25,7 +29,7 @@ from omegaconf import DictConfig
 
 from pipeline import checkpoints, device, tracking
 from pipeline.sweep import progress
-from pipeline.lm import config, evaluate, models, plot, streams, train
+from pipeline.lm import config, evaluate, models, plot, pretrained, streams, train
 from pipeline.lm.prepare import prepare
 
 log = logging.getLogger(__name__)
@@ -37,13 +41,18 @@ def tying(s: config.Settings) -> str:
     return "tied" if s.tied else "untied"
 
 
+VOCAB_LABELS = {"public": "public vocabulary", "private": "private vocabulary",
+                "public_groups": "public groups' vocabulary", "private_groups": "private groups' DP vocabulary"}
+
+
 def vocab_label(s: config.Settings) -> str:
     """How the vocabulary is named in run names and tables: the public one as the assumption it is."""
-    return "public vocabulary" if s.vocab_kind == "public" else "private vocabulary"
+    return VOCAB_LABELS[s.vocab_kind]
 
 
 def cell_name(s: config.Settings) -> str:
-    return (f"{tying(s)} eps={s.eps:g} seed={s.seed} ({s.engine}, {vocab_label(s)}, lr={s.lr:g}, "
+    stage = " pretraining on the public groups" if s.save else " fine-tuning a pretrained model" if s.init else ""
+    return (f"{tying(s)} eps={s.eps:g} seed={s.seed}{stage} ({s.engine}, {vocab_label(s)}, lr={s.lr:g}, "
             f"B={s.batch_size}, d={s.d}, L={s.L})")
 
 
@@ -67,8 +76,10 @@ def run(cfg: DictConfig, s: config.Settings) -> Path:
     prep = prepare(s, s.seed)  # the archive was read and checked by config.validate
     data_seconds = time.perf_counter() - start
     private = s.engine != "none" and math.isfinite(s.eps)
+    spent_apart = config.vocab_budget(s) if s.vocab_kind == "private_groups" else (0.0, 0.0)
     run_plan = train.plan(n_posts=prep.rows.shape[0], batch_size=s.batch_size, epochs=s.epochs, eps=s.eps,
-                          delta=s.delta, private=private, vocab_share=s.vocab_share, accountant=s.accountant)
+                          delta=s.delta, private=private, vocab_share=s.vocab_share, accountant=s.accountant,
+                          vocab_spent=spent_apart)
     log.info("data: %d training rows, V = %d (%.1f s); training: epochs %d, DP-SGD steps %d", prep.rows.shape[0],
              prep.V, data_seconds, s.epochs, run_plan.steps)
     tracking.setup(cfg)
@@ -89,10 +100,18 @@ def run(cfg: DictConfig, s: config.Settings) -> Path:
         tracking.log_metrics("data", {"seconds": data_seconds})
         torch.manual_seed(streams.seed_of(s.seed, "init"))
         model = models.build(vocab_size=prep.V, max_len=s.L, d=s.d, layers=s.layers, heads=s.heads, tied=s.tied,
-                             dropout=s.dropout, eos_id=prep.eos_id).to(dev)
-        tracking.log_params("model", {"parameters": models.parameters(model)})
+                             dropout=s.dropout, eos_id=prep.eos_id)
+        start_from = pretrained.path_of(s) if s.init is not None else None
+        if start_from is not None:  # matched to these settings by the validation
+            pretrained.load_into(model, pretrained.read(start_from))
+        model = model.to(dev)
+        tracking.log_params("model", {"parameters": models.parameters(model),
+                                      **({"init": str(start_from)} if start_from is not None else {})})
         valid = {"valid": prep.splits["valid"]}
         bucket_of = evaluate.buckets(prep.rows, prep.mask, prep.V)
+        # the public-only model: the pretrained weights on the same private posts, before any of them is trained on
+        public_only = [] if start_from is None else [
+            row | {"method": "pretrained"} for row in evaluate.model_rows(model, prep.splits, bucket_of, s.eval_batch)]
         last_valid: list[dict] = []  # the latest validation row: the trained model's, reused for results.csv
 
         def validate(m) -> dict:
@@ -113,6 +132,8 @@ def run(cfg: DictConfig, s: config.Settings) -> Path:
         resume = job.sweep is None or job.sweep.resume  # a single run re-launched into its folder, a resumed sweep
         key = {"config_hash": job.digest, "code_hash": checkpoints.code_hash(), "device": dev.type,
                "data_hash": checkpoints.tensors_hash(prep.rows, prep.mask, *prep.splits["valid"], *prep.splits["test"])}
+        if start_from is not None:  # a checkpoint fine-tuned from another pretrained model is not resumed
+            key["init_hash"] = pretrained.digest(start_from)
         history = train.run(model, prep.rows, prep.mask, run_plan, engine=s.engine, C=s.C, lr=s.lr, warmup=s.warmup,
                             weight_decay=s.weight_decay, seed=s.seed, validate=validate, on_epoch=on_epoch,
                             checkpoint=saved, resume=resume, key=key, validate_every=s.validate_every,
@@ -126,9 +147,10 @@ def run(cfg: DictConfig, s: config.Settings) -> Path:
         log.info("trained in %.1f s; evaluating on the validation and test posts and the unigram references", seconds)
         rows = last_valid or evaluate.model_rows(model, valid, bucket_of, s.eval_batch)
         rows += evaluate.model_rows(model, {"test": prep.splits["test"]}, bucket_of, s.eval_batch)
-        dp_eps = (1 - s.vocab_share) * s.eps
+        dp_eps, dp_delta = config.dpsgd_budget(s)
         rows += evaluate.reference_rows(prep.rows, prep.mask, prep.V, prep.splits, bucket_of, eps=dp_eps,
-                                        delta=(1 - s.vocab_share) * s.delta, seed=s.seed)
+                                        delta=dp_delta, seed=s.seed)
+        rows += public_only
         peak = device.peak_memory_gb(dev)
         if peak is not None:
             tracking.log_metrics("compute", {"peak_memory_gb": peak})
@@ -136,7 +158,7 @@ def run(cfg: DictConfig, s: config.Settings) -> Path:
             "task": "lm", "dataset": cfg.dataset.name, "tying": tying(s), "vocab": s.vocab_kind, "clipping": s.engine,
             "eps": float(s.eps), "eps_spent": run_plan.eps_spent, "delta": s.delta, "sigma": run_plan.sigma,
             "batch_size": run_plan.batch_size, "C": s.C, "lr": s.lr, "epochs": s.epochs, "L": s.L, "d": s.d, "layers": s.layers,
-            "V": prep.V, "seed": s.seed, **row} for row in rows])
+            "V": prep.V, "seed": s.seed, **split_columns(s), **row} for row in rows])
         test = next(r for r in rows if r["method"] == "lm" and r["split"] == "test")
         tracking.log_headline_metrics({"test_perplexity": test["perplexity"], "test_accuracy": test["accuracy"]})
         for row in rows:
@@ -150,6 +172,12 @@ def run(cfg: DictConfig, s: config.Settings) -> Path:
         per_epoch.to_csv(curves, index=False)
         fig = plot.curves(per_epoch, out / "curves.png", title=name)
         tracking.log_artifacts(csv, curves, fig)
+        if s.save is not None:  # a pretraining: its model, for the fine-tunings (model.init)
+            saved_model = pretrained.save(s.save, model, prep.tokenizer, s, {
+                **prep.stats, "steps": run_plan.steps, "lr": s.lr, "epochs": s.epochs, "batch_size": s.batch_size,
+                "seed": s.seed, **{f"{r['split']}_perplexity": r["perplexity"] for r in rows if r["method"] == "lm"}})
+            tracking.log_params("model", {"saved": str(saved_model)})
+            log.info("pretrained model written to %s", saved_model)
         cell_seconds = time.perf_counter() - start
         tracking.log_metrics("cell", {"seconds": cell_seconds})
     job.finished(active.info.run_id, {"device": str(dev), "device_name": device.name(dev), "seconds": cell_seconds,
@@ -163,6 +191,14 @@ def run(cfg: DictConfig, s: config.Settings) -> Path:
     if line:
         log.info("%s", line)
     return csv
+
+
+def split_columns(s: config.Settings) -> dict:
+    """The group split's columns of ``results.csv`` (none without one, so the other cells' files keep
+    their columns): the side the cell read and the pretrained model it started from."""
+    if s.part == "all":
+        return {}
+    return {"part": s.part, "examples": s.examples, "init": s.init or ""}
 
 
 def history_frame(history: train.History) -> pd.DataFrame:

@@ -7,10 +7,15 @@ The keys (``conf/lm/``'s groups and ``conf/lm/experiment/lm_cpu.yaml``, where ea
 
 - ``dataset``: ``archive`` (the bydate tarball), ``valid_fraction``, ``posts`` (null: every
   training post; a count: the first ones, for small presets), ``eval_posts`` (null: every
-  validation and test post; a count: the first ones), ``L`` (tokens per example);
-- ``vocab``: ``kind`` (private or public), ``size`` (BPE's target), ``eps_share`` (the private
-  vocabulary's share of eps and of delta), ``max_pieces`` (a post's contribution);
-- ``model``: ``d``, ``layers``, ``heads``, ``tied``, ``dropout``;
+  validation and test post; a count: the first ones), ``L`` (tokens per example),
+  ``public_groups`` (the newsgroups on the public side), ``part`` (all, public or private: the
+  posts a cell reads), ``examples`` (post: one example per post; windows: every window, public
+  pretraining only);
+- ``vocab``: ``kind`` (private, public, public_groups or private_groups), ``size`` (BPE's target),
+  ``eps_share`` (the private vocabulary's share of eps and of delta), ``max_pieces`` (a post's
+  contribution), ``eps`` and ``delta`` (private_groups: the selection's own budget, spent once);
+- ``model``: ``d``, ``layers``, ``heads``, ``tied``, ``dropout``, ``init`` (a pretrained model to
+  fine-tune, ``pretrained.py``), ``save`` (where a pretraining writes its model);
 - ``clipping``: ``name`` (phantom, per_sample, ghost, none), ``C``;
 - ``train``: ``batch_size``, ``epochs``, ``lr``, ``warmup``, ``weight_decay``, ``accountant``,
   ``max_physical_batch``, ``eval_batch``, ``validate_every``, ``threads``, ``checkpoint``;
@@ -29,7 +34,7 @@ from omegaconf import DictConfig
 
 from pipeline import validation
 from pipeline.dpsgd import planning
-from pipeline.lm import engines, vocab
+from pipeline.lm import data, engines, vocab
 from pipeline.validation import ConfigError
 
 ACCOUNTANTS = planning.ACCOUNTANTS
@@ -69,6 +74,35 @@ class Settings:
     eps: float
     delta: float
     seed: int
+    public_groups: tuple[str, ...] | None = None
+    part: str = "all"  # the posts a cell reads: every group's, the public groups' or the private groups'
+    examples: str = "post"  # post: a post's first L + 1 tokens, one example; windows: every window (public only)
+    init: str | None = None  # a pretrained model (file or folder) to start from
+    save: str | None = None  # the folder a pretraining writes its model into
+    vocab_eps: float = 0.0  # private_groups: the selection's own (eps, delta), spent once and taken off DP-SGD's
+    vocab_delta: float = 0.0
+
+
+EXAMPLES = ("post", "windows")
+GROUP_KINDS = ("public_groups", "private_groups")  # vocabularies of the group split: they need dataset.public_groups
+
+
+def vocab_budget(s: Settings) -> tuple[float, float]:
+    """The (eps, delta) the vocabulary spends of the run's budget: a share of it (``private``), its
+    own budget, selected once before a pretraining (``private_groups``), or nothing (public kinds)."""
+    if s.vocab_kind == "private":
+        return s.vocab_share * s.eps, s.vocab_share * s.delta
+    if s.vocab_kind == "private_groups":
+        return s.vocab_eps, s.vocab_delta
+    return 0.0, 0.0
+
+
+def dpsgd_budget(s: Settings) -> tuple[float, float]:
+    """DP-SGD's part of the run's (eps, delta) (and the DP unigram yardstick's): what the vocabulary
+    leaves, by basic composition."""
+    if s.vocab_kind == "private_groups":
+        return s.eps - s.vocab_eps, s.delta - s.vocab_delta
+    return (1 - s.vocab_share) * s.eps, (1 - s.vocab_share) * s.delta
 
 
 def _unit(value, key: str, *, closed_low: bool = True, closed_high: bool = False) -> float:
@@ -97,7 +131,17 @@ def settings(cfg: DictConfig) -> Settings:
     posts = None if ds.posts is None else validation.positive_int(ds.posts, "dataset.posts")
     eval_posts = None if ds.get("eval_posts") is None else validation.positive_int(ds.eval_posts, "dataset.eval_posts")
     L = validation.positive_int(ds.L, "dataset.L")
+    try:
+        public_groups = data.check_groups(ds.get("public_groups"))
+    except data.DataError as err:
+        raise ConfigError(str(err)) from None
+    part = _choice(ds.get("part", "all"), "dataset.part", data.PARTS)
+    if part != "all" and public_groups is None:
+        raise ConfigError(f"dataset.part = {part!r} needs dataset.public_groups (the groups of the public side), got null")
+    examples = _choice(ds.get("examples", "post"), "dataset.examples", EXAMPLES)
     kind = _choice(vc.kind, "vocab.kind", vocab.KINDS)
+    if kind in GROUP_KINDS and public_groups is None:
+        raise ConfigError(f"vocab.kind = {kind!r} needs dataset.public_groups (the groups of the public side), got null")
     size = validation.positive_int(vc.size, "vocab.size")
     if not MIN_VOCAB <= size <= MAX_VOCAB:
         raise ConfigError(f"vocab.size must lie in [{MIN_VOCAB}, {MAX_VOCAB}] (the bytes and end-of-text at least, "
@@ -107,6 +151,13 @@ def settings(cfg: DictConfig) -> Settings:
         raise ConfigError("vocab.eps_share = 0 with vocab.kind = private: a private vocabulary needs a share of the "
                           "budget (or use vocab.kind=public, the paper-style assumption)")
     max_pieces = validation.positive_int(vc.max_pieces, "vocab.max_pieces")
+    vocab_eps = vocab_delta = 0.0
+    if kind == "private_groups":
+        vocab_eps = validation.number(vc.get("eps"), "vocab.eps")
+        if not (vocab_eps > 0 and math.isfinite(vocab_eps)):
+            raise ConfigError(f"vocab.eps must be positive and finite (the private groups' vocabulary's budget), "
+                              f"got {vc.get('eps')!r}")
+        vocab_delta = _unit(vc.get("delta"), "vocab.delta", closed_low=False)
     d, layers, heads = (validation.positive_int(m[k], f"model.{k}") for k in ("d", "layers", "heads"))
     if d % heads:
         raise ConfigError(f"model.d = {d} must be a multiple of model.heads = {heads}")
@@ -148,9 +199,34 @@ def settings(cfg: DictConfig) -> Settings:
         raise ConfigError(f"clipping.name = 'none' trains without clipping or noise, and privacy.eps = {pr.eps!r} "
                           "promises a guarantee: use privacy.eps=inf for the non-private run")
     delta = _unit(pr.delta, "privacy.delta", closed_low=False)
+    if kind == "private_groups" and math.isfinite(eps) and not (vocab_eps < eps and vocab_delta < delta):
+        raise ConfigError(f"vocab.eps = {vocab_eps:g} and vocab.delta = {vocab_delta:g} (the private groups' vocabulary) "
+                          f"must each be less than privacy.eps = {pr.eps!r} and privacy.delta = {pr.delta!r}: DP-SGD "
+                          f"gets what the vocabulary leaves")
+    if examples == "windows" and eps != math.inf:
+        raise ConfigError(f"dataset.examples = 'windows' trains on every window of every post, so a post is several "
+                          f"examples and privacy.eps = {pr.eps!r} would not hold per post: windows are for public "
+                          f"pretraining (privacy.eps=inf, clipping.name=none)")
+    init, save = (_path(m.get(k), f"model.{k}") for k in ("init", "save"))
+    if init is not None and part != "private":
+        raise ConfigError(f"model.init = {init!r} with dataset.part = {part!r}: a pretrained model has read the public "
+                          f"groups, so it is fine-tuned on the private ones only (dataset.part=private)")
+    if save is not None and (part != "public" or kind not in GROUP_KINDS or init is not None):
+        raise ConfigError(f"model.save = {save!r} writes a model pretrained on the public groups: it needs "
+                          f"dataset.part = public (got {part!r}), vocab.kind public_groups or private_groups (got "
+                          f"{kind!r}) and no model.init (got {init!r})")
     return Settings(ds.archive, valid_fraction, posts, eval_posts, L, kind, size, share, max_pieces, d, layers, heads,
                     m.tied, dropout, engine, C, batch_size, epochs, lr, warmup, weight_decay, accountant, chunk, eval_batch,
-                    validate_every, threads, checkpoint, eps, delta, validation.seed(cfg.seed))
+                    validate_every, threads, checkpoint, eps, delta, validation.seed(cfg.seed), public_groups, part,
+                    examples, init, save, vocab_eps, vocab_delta)
+
+
+def _path(value, key: str) -> str | None:
+    if value is None:
+        return None
+    if not isinstance(value, str) or not value:
+        raise ConfigError(f"{key} must be a path or null, got {value!r}")
+    return value
 
 
 PLAN_KEYS = {"eps": "privacy.eps", "delta": "privacy.delta", "batch_size": "train.batch_size",
@@ -162,15 +238,25 @@ def calibrates(s: Settings, posts: int) -> None:
     cannot reach at q = B / posts over the run's steps (``pipeline.dpsgd.check``: the plan the run makes)."""
     if s.engine == "none":
         return
-    planning.check(eps=s.eps, delta=s.delta, n=posts, batch_size=s.batch_size, epochs=s.epochs,
-                   accountant=s.accountant, share=s.vocab_share, keys=PLAN_KEYS)
+    if s.vocab_kind != "private_groups":
+        planning.check(eps=s.eps, delta=s.delta, n=posts, batch_size=s.batch_size, epochs=s.epochs,
+                       accountant=s.accountant, share=s.vocab_share, keys=PLAN_KEYS)
+        return
+    eps, delta = dpsgd_budget(s)
+    try:
+        planning.check(eps=eps, delta=delta, n=posts, batch_size=s.batch_size, epochs=s.epochs,
+                       accountant=s.accountant, keys=PLAN_KEYS)
+    except ConfigError as err:
+        raise ConfigError(f"DP-SGD's part of the budget, what vocab.eps = {s.vocab_eps:g} and vocab.delta = "
+                          f"{s.vocab_delta:g} leave of privacy.eps = {s.eps:g} and privacy.delta = {s.delta:g}: "
+                          f"{err}") from None
 
 
 def validate(cfg: DictConfig) -> Settings:
     """The settings of a language-model cell, every refusal before any folder or run: the values
-    (``settings``), then the archive (read and split here, cached for the cell) and the counts it
-    allows."""
-    from pipeline.lm import data, streams
+    (``settings``), the pretrained model a fine-tuning starts from (``model.init``: read and matched
+    here), then the archive (read and split here, cached for the cell) and the counts it allows."""
+    from pipeline.lm import pretrained, streams
 
     s = settings(cfg)
     if s.posts is not None:  # the training set's size is known: the budget is checked before the archive is read
@@ -178,8 +264,10 @@ def validate(cfg: DictConfig) -> Settings:
     path = data.resolve(s.archive)
     if (why := validation.not_a_file(path)) is not None:
         raise ConfigError(f"dataset.archive = {s.archive!r}: {why}")
+    if s.init is not None:  # the file, then its settings against the cell's (the archive's digest among them)
+        pretrained.check(s)
     try:  # read here (once per process), so that a damaged archive is refused before any folder
-        corpus = data.read_cached(str(path))
+        corpus = data.read_cached(str(path), public_groups=s.public_groups, part=s.part)
         posts = data.split(corpus, valid_fraction=s.valid_fraction, seed=streams.seed_of(s.seed, "split")).train
     except data.DataError as err:
         raise ConfigError(str(err)) from None
@@ -192,10 +280,24 @@ def validate(cfg: DictConfig) -> Settings:
         calibrates(s, train)
     # a public vocabulary only: its size is read from the posts (the tokenizer is trained here, once per process, and
     # the cell uses it), which a private vocabulary may not do outside its mechanism (a private selection that
-    # releases fewer pieces gives a smaller vocabulary, logged as data.vocab_size)
-    most = None if s.vocab_kind == "private" else vocab.public_size(posts[: s.posts] if s.posts else posts, s.vocab_size)
+    # releases fewer pieces gives a smaller vocabulary, logged as data.vocab_size); a pretrained model's is its own
+    most = None
+    if s.init is None and s.vocab_kind == "public":
+        most = vocab.public_size(posts[: s.posts] if s.posts else posts, s.vocab_size)
+        where, more = f"the {s.posts or train} training posts", ", or more dataset.posts"
+    elif s.init is None and s.vocab_kind == "public_groups":
+        public = vocab_posts(s)
+        most = vocab.public_size(public, s.vocab_size)
+        where, more = f"the public groups' {len(public)} train-split posts", ""
     if most is not None:
-        raise ConfigError(f"vocab.size = {s.vocab_size} is more than BPE makes from the {s.posts or train} training "
-                          f"posts (a public tokenizer of at most {most} tokens): use vocab.size={most} or less, "
-                          f"or more dataset.posts")
+        raise ConfigError(f"vocab.size = {s.vocab_size} is more than BPE makes from {where} (a public tokenizer of "
+                          f"at most {most} tokens): use vocab.size={most} or less{more}")
     return s
+
+
+def vocab_posts(s: Settings) -> list[str]:
+    """The posts a vocabulary of the group split is made from: every train-split post of the public
+    groups (``public_groups``: public, read whole) or of the private groups (``private_groups``: read
+    by the DP selection only); neither reads a test post."""
+    side = "public" if s.vocab_kind == "public_groups" else "private"
+    return data.read_cached(str(data.resolve(s.archive)), public_groups=s.public_groups, part=side)["train"]

@@ -18,6 +18,15 @@ What is left can still name people (a post may sign with a name in its body): cl
 courtesy to the people in the corpus, not a privacy mechanism; the guarantee is DP-SGD's and the
 vocabulary's (``vocab.py``). The train split is divided into training and validation posts by a
 seeded permutation (``split``); the test split is the test set.
+
+**Public and private groups** (issue 65: public pretraining, DP fine-tuning). Each post's newsgroup is
+its folder in the tarball (``read_groups``). ``dataset.public_groups`` assigns some of the 20 groups
+(``NEWSGROUPS``) to the public side, the rest are private, so no post is on both sides; ``part``
+keeps one side of both splits (``dataset.part``: ``public``, ``private``, or ``all``, every post,
+the assignment unused). A side's test posts are put in round-robin order over its groups (the first
+post of each group in the tarball's order of groups, then the second, ...): the tarball holds them
+group by group, and a count of them (``dataset.eval_posts``) then takes an equal share of every group
+(with ``all`` they stay in the tarball's order: the first 150 test posts are all of alt.atheism).
 """
 
 from __future__ import annotations
@@ -34,6 +43,12 @@ import numpy as np
 from pipeline import validation
 
 SPLITS = ("train", "test")
+NEWSGROUPS = ("alt.atheism", "comp.graphics", "comp.os.ms-windows.misc", "comp.sys.ibm.pc.hardware",
+              "comp.sys.mac.hardware", "comp.windows.x", "misc.forsale", "rec.autos", "rec.motorcycles",
+              "rec.sport.baseball", "rec.sport.hockey", "sci.crypt", "sci.electronics", "sci.med", "sci.space",
+              "soc.religion.christian", "talk.politics.guns", "talk.politics.mideast", "talk.politics.misc",
+              "talk.religion.misc")  # the bydate tarball's 20 folders
+PARTS = ("all", "public", "private")
 SIGNATURE_LINES = 10  # a block after the last "--" line of at most this many lines is a signature
 _ATTRIBUTION = re.compile(r"(writes|wrote|says|said)\s*:\s*$|^\s*in (article|message|<)\b", re.IGNORECASE)
 _QUOTE = re.compile(r"^\s*(>|\|>|:|\|\s)")
@@ -89,14 +104,15 @@ def clean(text: str) -> str:
     return re.sub(r"\n\s*\n+", "\n\n", body).strip()
 
 
-def read(path: str | Path, *, key: str = "dataset.archive", cleaned: bool = True) -> dict[str, list[str]]:
-    """split -> the posts of the bydate tarball at ``path``, in the tarball's order, cleaned (empty
-    posts dropped). DataError naming ``key`` if the file is missing, damaged or has no posts of a
-    split."""
+def read_groups(path: str | Path, *, key: str = "dataset.archive",
+                cleaned: bool = True) -> dict[str, list[tuple[str, str]]]:
+    """split -> (newsgroup, post) of every post of the bydate tarball at ``path``, in the tarball's
+    order, cleaned (empty posts dropped); the newsgroup is the post's folder. DataError naming ``key``
+    if the file is missing, damaged or has no posts of a split."""
     path = Path(path)
     if (why := validation.not_a_file(path)) is not None:
         raise DataError(f"{key}: no such file {str(path)!r}" if why == "no such file" else f"{key}: {str(path)!r} is {why}")
-    out: dict[str, list[str]] = {s: [] for s in SPLITS}
+    out: dict[str, list[tuple[str, str]]] = {s: [] for s in SPLITS}
     try:
         with tarfile.open(path, "r:gz") as tar:
             for member in tar:
@@ -106,7 +122,7 @@ def read(path: str | Path, *, key: str = "dataset.archive", cleaned: bool = True
                     text = tar.extractfile(member).read().decode("latin-1")
                     text = clean(text) if cleaned else text
                     if text:
-                        out[split].append(text)
+                        out[split].append((parts[1], text))
     except (tarfile.TarError, OSError, EOFError) as err:
         raise DataError(f"{key}: {str(path)!r} is not a readable 20news-bydate tarball ({err})") from err
     empty = [s for s in SPLITS if not out[s]]
@@ -115,16 +131,91 @@ def read(path: str | Path, *, key: str = "dataset.archive", cleaned: bool = True
     return out
 
 
-def read_cached(path: str) -> dict[str, list[str]]:
+def read(path: str | Path, *, key: str = "dataset.archive", cleaned: bool = True) -> dict[str, list[str]]:
+    """split -> the posts of the bydate tarball at ``path``, in the tarball's order, cleaned (empty
+    posts dropped). DataError naming ``key`` if the file is missing, damaged or has no posts of a
+    split."""
+    return texts(read_groups(path, key=key, cleaned=cleaned))
+
+
+def texts(corpus: dict[str, list[tuple[str, str]]]) -> dict[str, list[str]]:
+    """The posts of ``read_groups``' corpus without their newsgroups."""
+    return {split: [text for _, text in posts] for split, posts in corpus.items()}
+
+
+def read_cached(path: str, *, public_groups: tuple[str, ...] | None = None, part: str = "all") -> dict[str, list[str]]:
     """``read`` once per process and archive (a sweep's validation reads it once for all cells); an
-    archive replaced in place (another size or time) is read again."""
+    archive replaced in place (another size or time) is read again. With ``part`` public or private:
+    that side of the groups (``side``)."""
+    return side(read_groups_cached(path), public_groups, part)
+
+
+def read_groups_cached(path: str) -> dict[str, list[tuple[str, str]]]:
+    """``read_groups`` once per process and archive (as ``read_cached``)."""
     st = os.stat(path)
     return _read_once(path, st.st_size, st.st_mtime_ns)
 
 
 @functools.lru_cache(maxsize=2)
-def _read_once(path: str, size: int, mtime_ns: int) -> dict[str, list[str]]:
-    return read(path)
+def _read_once(path: str, size: int, mtime_ns: int) -> dict[str, list[tuple[str, str]]]:
+    return read_groups(path)
+
+
+def check_groups(groups, key: str = "dataset.public_groups") -> tuple[str, ...] | None:
+    """The public groups as a tuple (None for null), or DataError naming ``key``: a name that is not
+    one of the 20 newsgroups, a name given twice, no group, or every group (no private side)."""
+    if groups is None:
+        return None
+    if isinstance(groups, str) or not all(isinstance(g, str) for g in groups):
+        raise DataError(f"{key} must be a list of newsgroup names, got {groups!r}")
+    groups = tuple(groups)
+    unknown = [g for g in groups if g not in NEWSGROUPS]
+    if unknown:
+        raise DataError(f"{key}: {unknown[0]!r} is not one of the 20 newsgroups; known: {list(NEWSGROUPS)}")
+    twice = [g for g in groups if groups.count(g) > 1]
+    if twice:
+        raise DataError(f"{key}: {twice[0]!r} is named twice")
+    if not groups or len(groups) == len(NEWSGROUPS):
+        raise DataError(f"{key} names {len(groups)} of the {len(NEWSGROUPS)} newsgroups: the public and the private "
+                        f"side each need one at least")
+    return groups
+
+
+def side(corpus: dict[str, list[tuple[str, str]]], public_groups: tuple[str, ...] | None,
+         part: str) -> dict[str, list[str]]:
+    """The posts of one side (``part``: public, private, or all) of ``read_groups``' corpus: the
+    public groups' posts, the others', or every post in the tarball's order. A side's train split
+    keeps the tarball's order (``split`` permutes it), its test split is put in round-robin order
+    over its groups. DataError naming the key where a public group or a side has no posts."""
+    if part not in PARTS:
+        raise DataError(f"dataset.part {part!r} is unknown; known: {list(PARTS)}")
+    if part == "all":
+        return texts(corpus)
+    if public_groups is None:
+        raise DataError(f"dataset.part = {part!r} needs dataset.public_groups (the assignment of the groups to the "
+                        f"public side), got null")
+    found = {g for posts in corpus.values() for g, _ in posts}
+    absent = [g for g in public_groups if g not in found]
+    if absent:
+        raise DataError(f"dataset.public_groups: {absent[0]!r} has no posts in the archive")
+    public = set(public_groups)
+    out = {}
+    for split, posts in corpus.items():
+        kept = [(g, text) for g, text in posts if (g in public) == (part == "public")]
+        if not kept:
+            raise DataError(f"dataset.part = {part!r}: the {part} groups have no {split} posts in the archive")
+        out[split] = [text for _, text in kept] if split == "train" else round_robin(kept)
+    return out
+
+
+def round_robin(posts: list[tuple[str, str]]) -> list[str]:
+    """The posts of each group in their order, interleaved: the first of every group (groups in their
+    order of appearance), then the second, ...; a group that runs out is skipped."""
+    groups: dict[str, list[str]] = {}
+    for g, text in posts:
+        groups.setdefault(g, []).append(text)
+    columns = list(groups.values())
+    return [column[i] for i in range(max(map(len, columns))) for column in columns if i < len(column)]
 
 
 def split(corpus: dict[str, list[str]], *, valid_fraction: float, seed: int) -> Posts:

@@ -1,5 +1,6 @@
-"""A language-model cell's inputs, before any model: the posts (read, cleaned, split), the
-vocabulary (selected with DP, or public), and the encoded training rows and evaluation windows.
+"""A language-model cell's inputs, before any model: the posts (read, cleaned, split; one side of
+the group split where ``dataset.part`` says), the vocabulary (selected with DP, public, the group
+split's, or a pretrained model's), and the encoded training rows and evaluation windows.
 
 Everything here is deterministic given the settings and the seed: the split permutation and the
 vocabulary's selection noise are the cell's seed's ``split`` and ``vocab`` streams (``streams.py``;
@@ -16,7 +17,7 @@ import numpy as np
 import torch
 
 from pipeline import progress
-from pipeline.lm import data, examples, streams, vocab
+from pipeline.lm import config, data, examples, pretrained, streams, vocab
 
 
 @dataclass
@@ -41,8 +42,14 @@ def _key(s, seed: int) -> tuple:
     path = data.resolve(s.archive).resolve()
     st = path.stat()
     budget = (s.vocab_share * s.eps, s.vocab_share * s.delta, s.max_pieces) if s.vocab_kind == "private" else ()
+    if s.vocab_kind == "private_groups":
+        budget = (s.vocab_eps, s.vocab_delta, s.max_pieces)
+    init = ()
+    if s.init is not None:  # the pretrained model's tokenizer: its file, by path, size and time
+        found = pretrained.path_of(s).resolve()
+        init = (str(found), found.stat().st_size, found.stat().st_mtime_ns)
     return (str(path), st.st_size, st.st_mtime_ns, s.valid_fraction, s.posts, s.eval_posts, s.L, s.vocab_kind,
-            s.vocab_size, budget, seed)
+            s.vocab_size, budget, seed, s.part, s.public_groups, s.examples, init)
 
 
 def prepare(s, seed: int) -> Prepared:
@@ -61,30 +68,49 @@ def prepare(s, seed: int) -> Prepared:
 def _prepare(s, seed: int) -> Prepared:
     with progress.Progress("preparing data", total=3) as bar:  # seconds to minutes: the vocabulary and the encoding
         bar.start("posts: reading and splitting")
-        posts = data.split(data.read_cached(str(data.resolve(s.archive))), valid_fraction=s.valid_fraction,
-                           seed=streams.seed_of(seed, "split"))
+        corpus = data.read_cached(str(data.resolve(s.archive)), public_groups=s.public_groups, part=s.part)
+        posts = data.split(corpus, valid_fraction=s.valid_fraction, seed=streams.seed_of(seed, "split"))
         train = posts.train[: s.posts] if s.posts else posts.train
         valid = posts.valid[: s.eval_posts] if s.eval_posts else posts.valid
         test = posts.test[: s.eval_posts] if s.eval_posts else posts.test
         released = 0
-        bar.start(f"vocabulary: {s.vocab_kind}, BPE to {s.vocab_size} tokens on {len(train)} posts")
-        if s.vocab_kind == "private":
-            cal = vocab.calibrate(eps=s.vocab_share * s.eps, delta=s.vocab_share * s.delta, max_pieces=s.max_pieces)
-            chosen = vocab.select(vocab.document_counts(train, s.max_pieces), cal,
+        if s.init is not None:  # the pretrained model's own (its file was matched to these settings by the validation)
+            where = pretrained.path_of(s)
+            bar.start(f"vocabulary: {s.vocab_kind}, the pretrained model's ({where})")
+            found = pretrained.read(where)
+            tokenizer = pretrained.tokenizer(found)
+            released = int(found["stats"].get("released_pieces", 0))
+        elif s.vocab_kind in ("private", "private_groups"):
+            # private: from the training posts, a share of the run's budget; private_groups: from every train-split post
+            # of the private groups, at a budget of its own (made once, before a pretraining on the public groups)
+            chosen_from = train if s.vocab_kind == "private" else config.vocab_posts(s)
+            eps, delta = config.vocab_budget(s)
+            bar.start(f"vocabulary: {s.vocab_kind}, DP selection at eps = {eps:g} from {len(chosen_from)} posts, "
+                      f"BPE to {s.vocab_size} tokens")
+            cal = vocab.calibrate(eps=eps, delta=delta, max_pieces=s.max_pieces)
+            chosen = vocab.select(vocab.document_counts(chosen_from, s.max_pieces), cal,
                                   np.random.default_rng(streams.seed_of(seed, "vocab")))
             released = len(chosen)
             tokenizer = vocab.train_private(chosen, s.vocab_size)
         else:
-            tokenizer = vocab.train_public(train, s.vocab_size)
+            # public: the training posts themselves (the paper-style assumption); public_groups: every train-split post
+            # of the public groups (public text)
+            made_from = train if s.vocab_kind == "public" else config.vocab_posts(s)
+            bar.start(f"vocabulary: {s.vocab_kind}, BPE to {s.vocab_size} tokens on {len(made_from)} posts")
+            tokenizer = vocab.train_public(made_from, s.vocab_size)
         bar.start(f"encoding: {len(train) + len(valid) + len(test)} posts into rows of L = {s.L}")
         eos = tokenizer.token_to_id(vocab.EOS)
         train_ids = examples.encode(train, tokenizer, eos)
-        rows, mask = examples.training_rows(train_ids, s.L, eos)
+        if s.examples == "windows":  # public pretraining: every window of every post (a post is several examples)
+            rows, mask = examples.windows(train_ids, s.L, eos)
+        else:  # one post, one example: its first L + 1 tokens (the privacy unit)
+            rows, mask = examples.training_rows(train_ids, s.L, eos)
         splits = {name: examples.windows(examples.encode(texts, tokenizer, eos), s.L, eos)
                   for name, texts in (("valid", valid), ("test", test))}
     stats = {"train_posts": len(train), "valid_posts": len(valid), "test_posts": len(test),
              "train_targets": int(mask.sum()), "valid_targets": int(splits["valid"][1].sum()),
              "test_targets": int(splits["test"][1].sum()), "vocab_size": tokenizer.get_vocab_size(),
+             "train_examples": int(rows.shape[0]),  # posts, or their windows (dataset.examples=windows)
              "released_pieces": released,  # the share of training posts longer than an example (their tails unread)
              "truncated_share": float(np.mean([len(t) > s.L + 1 for t in train_ids])) if train_ids else math.nan}
     return Prepared(tokenizer, eos, tokenizer.get_vocab_size(), rows, mask, splits, stats, released)

@@ -5,8 +5,9 @@ Adam with linear warm-up and decay; ``train.max_physical_batch`` runs each logic
 of at most that many posts (the same clipped sum, noise and update; null: one piece).
 
 Privacy accounting (``plan``). The run's (eps, delta) is shared by the private vocabulary (when
-``vocab=private``: ``vocab_share`` of eps and of delta, ``vocab.py``) and DP-SGD (the rest), by
-basic composition. DP-SGD's noise multiplier is the accountant's smallest for ``steps`` steps of the
+``vocab=private``: ``vocab_share`` of eps and of delta, ``vocab.py``; ``vocab=private_groups``: the
+selection's own (eps, delta), spent once before a pretraining) and DP-SGD (the rest), by basic
+composition. DP-SGD's noise multiplier is the accountant's smallest for ``steps`` steps of the
 Poisson-subsampled Gaussian mechanism at rate q = B / n (one post added or removed moves the
 clipped sum by at most C: the sensitivity ``pipeline.dpsgd.add_noise`` is calibrated for); an
 empty Poisson sample still releases the noise, and the accountant counts every step.
@@ -45,11 +46,21 @@ class Plan(dpsgd.Plan):
 
 
 def plan(*, n_posts: int, batch_size: int, epochs: int, eps: float, delta: float, private: bool,
-         vocab_share: float, accountant: str = "prv") -> Plan:
+         vocab_share: float, accountant: str = "prv", vocab_spent: tuple[float, float] = (0.0, 0.0)) -> Plan:
     """The run's sampling rate, steps and noise multiplier (``pipeline.dpsgd.plan``; ``vocab_share`` > 0
-    where the vocabulary was selected with DP from these posts)."""
+    where the vocabulary was selected with DP from these posts, a share of the run's budget).
+    ``vocab_spent``: the (eps, delta) of a vocabulary selected once, apart from the run, from posts
+    that include these (``vocab=private_groups``, before a pretraining): DP-SGD is planned on what it
+    leaves, (eps - eps_v, delta - delta_v), and ``eps_spent`` adds eps_v back (basic composition)."""
     if not 0 <= vocab_share < 1:
         raise ValueError(f"vocab_share must lie in [0, 1), got {vocab_share}")
+    if any(vocab_spent):
+        if vocab_share:
+            raise ValueError("a vocabulary spends a share of the run's budget or one of its own, not both")
+        v_eps, v_delta = vocab_spent
+        found = dpsgd.plan(n=n_posts, batch_size=batch_size, epochs=epochs, eps=eps - v_eps, delta=delta - v_delta,
+                           private=private, accountant=accountant)
+        return Plan(**(asdict(found) | {"eps_spent": found.eps_spent + v_eps}), vocab_eps=v_eps, vocab_delta=v_delta)
     found = dpsgd.plan(n=n_posts, batch_size=batch_size, epochs=epochs, eps=eps, delta=delta, private=private,
                        accountant=accountant, share=vocab_share)
     vocab_eps = vocab_share * eps if vocab_share else 0.0  # not 0 x inf for a non-private run

@@ -26,6 +26,13 @@ delta) composes with DP-SGD's by basic composition, as Re-Attention's histogram 
 
 A post's pieces beyond the first ``max_pieces`` distinct ones are not seen by the selection (they
 are still trained on: the tokenizer encodes any text, falling back to shorter pieces and bytes).
+
+**The group split's vocabularies** (``dataset.public_groups``; ``prepare.py`` makes them, a
+pretraining saves them with its model, ``pretrained.py``): ``public_groups``, ``train_public`` on
+every train-split post of the public groups (public text: no privacy cost); ``private_groups``, this
+selection on every train-split post of the private groups at a budget of its own (``vocab.eps``,
+``vocab.delta``), made once before the pretraining and taken off each fine-tuning's (eps, delta)
+(``config.dpsgd_budget``). Neither reads a test post.
 """
 
 from __future__ import annotations
@@ -40,7 +47,7 @@ from typing import Iterable
 import numpy as np
 
 EOS = "<|endoftext|>"  # ends every post; also the padding token (never a target)
-KINDS = ("private", "public")
+KINDS = ("private", "public", "public_groups", "private_groups")  # the last two: the group split's (``data.side``)
 
 
 @dataclass(frozen=True)
