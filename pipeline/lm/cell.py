@@ -123,8 +123,9 @@ def run(cfg: DictConfig, s: config.Settings) -> Path:
             shown = {k: v for k, v in metrics.items() if not k.startswith("valid_")}
             tracking.log_metrics("train", shown, at=epoch)
             tracking.log_metrics("evaluate", {k: v for k, v in metrics.items() if k.startswith("valid_")}, at=epoch)
-            log.info("epoch %d/%d: loss %.4f, validation perplexity %.2f", epoch, s.epochs, metrics["loss"],
-                     metrics.get("valid_perplexity", math.nan))
+            checked = (f", validation perplexity {metrics['valid_perplexity']:.2f}" if "valid_perplexity" in metrics
+                       else " (not validated this epoch: train.validate_every)")
+            log.info("epoch %d/%d: loss %.4f%s", epoch, s.epochs, metrics["loss"], checked)
 
         device.reset_peak(dev)
         t0 = time.perf_counter()
