@@ -171,13 +171,19 @@ class Bounds:
                    key=lambda kv: kv[1])
 
 
+KINDS = {  # each bound of ``Bounds`` from (scores, inclusion bits, delta, confidence, guess counts)
+    "steinke": lambda s, b, delta, confidence, guesses: auditing.one_run_bound(
+        s, b, delta=delta, confidence=confidence, guesses=guesses),
+    "fdp": lambda s, b, delta, confidence, guesses: auditing.one_run_bound(
+        s, b, delta=delta, confidence=confidence, guesses=guesses, bound="fdp"),
+    "gdp": lambda s, b, delta, confidence, guesses: auditing.gdp_bound(s, b, delta=delta, confidence=confidence),
+}
+
+
 def bounds(scores: np.ndarray, included: np.ndarray, *, delta: float, confidence: float,
            guesses: tuple[int, ...]) -> Bounds:
     """Steinke et al.'s, the f-DP and the Gaussian-DP bound from the same scores."""
-    kw = dict(delta=delta, confidence=confidence, guesses=guesses)
-    return Bounds(steinke=auditing.one_run_bound(scores, included, **kw),
-                  fdp=auditing.one_run_bound(scores, included, bound="fdp", **kw),
-                  gdp=auditing.gdp_bound(scores, included, delta=delta, confidence=confidence))
+    return Bounds(**{kind: bound(scores, included, delta, confidence, guesses) for kind, bound in KINDS.items()})
 
 
 def expected(m: int, *, q: float, sigma: float, steps: int, delta: float, confidence: float,
@@ -187,16 +193,13 @@ def expected(m: int, *, q: float, sigma: float, steps: int, delta: float, confid
     each of ``statistics`` ("llr", "sum") and ``kinds`` ("steinke", "fdp", "gdp"), the median over
     ``seeds`` simulated runs."""
     guesses = guesses or default_guesses(m)
-    kw = dict(delta=delta, confidence=confidence)
-    compute = {"steinke": lambda sc, b: auditing.one_run_bound(sc, b, guesses=guesses, **kw).eps_lower,
-               "fdp": lambda sc, b: auditing.one_run_bound(sc, b, guesses=guesses, bound="fdp", **kw).eps_lower,
-               "gdp": lambda sc, b: auditing.gdp_bound(sc, b, **kw).eps_lower}
     found: dict[str, dict[str, list[float]]] = {name: {kind: [] for kind in kinds} for name in statistics}
     for seed in range(seeds):
         linear, llr, bits = simulate(m, q=q, sigma=sigma, steps=steps, seed=seed)
         for name in statistics:
             for kind in kinds:
-                found[name][kind].append(compute[kind](llr if name == "llr" else linear, bits))
+                scores = llr if name == "llr" else linear
+                found[name][kind].append(KINDS[kind](scores, bits, delta, confidence, guesses).eps_lower)
     return {name: {kind: float(np.median(v)) for kind, v in per.items()} for name, per in found.items()}
 
 
