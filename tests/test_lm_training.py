@@ -31,6 +31,29 @@ def test_windows_predict_every_token_after_a_posts_first_exactly_once():
     assert rows.shape[1] == 5 and int(mask.sum()) == sum(len(p) - 1 for p in POSTS)
 
 
+def test_a_posts_random_window_is_a_piece_of_it_every_start_reachable():
+    """``post_window``: at u = 0 a row and mask are ``training_rows``'s; otherwise L + 1 consecutive
+    tokens of the post (end-of-text and padding after it, never another post's), the mask its real
+    targets; u over [0, 1) reaches every start exactly once per grid step (the longest post of 30
+    tokens has 30 - L starts)."""
+    L = 5
+    found = examples.posts(POSTS, L=L, eos_id=EOS)
+    every = torch.arange(len(POSTS))
+    first, first_mask = examples.training_rows(POSTS, L=L, eos_id=EOS)
+    rows, mask = examples.window_rows(found, every, torch.zeros(len(POSTS)))
+    assert torch.equal(rows, first) and torch.equal(mask, first_mask)
+    longest = POSTS[3]
+    starts = len(longest) - L
+    grid = (torch.arange(starts, dtype=torch.float64) + 0.5) / starts
+    rows, mask = examples.window_rows(found, torch.full((starts,), 3), grid)
+    assert [r.tolist() for r in rows] == [longest[k: k + L + 1] for k in range(starts)]
+    assert bool(mask.all())
+    rows, mask = examples.window_rows(found, every, torch.full((len(POSTS),), 0.999999))
+    assert rows[0].tolist() == POSTS[0][-(L + 1):] and mask[0].tolist() == [True] * L
+    assert rows[1].tolist() == [12, 13, EOS, EOS, EOS, EOS] and mask[1].tolist() == [True, True, False, False, False]
+    assert rows[2].tolist() == [7, EOS, EOS, EOS, EOS, EOS] and mask[2].tolist() == [True] + [False] * 4
+
+
 def _tiny(tied: bool, V: int = 40):
     torch.manual_seed(0)
     return models.build(vocab_size=V, max_len=8, d=16, layers=2, heads=2, tied=tied, dropout=0.0, eos_id=EOS)
@@ -203,6 +226,50 @@ def test_a_stopped_run_resumes_to_the_uninterrupted_numbers_and_another_key_star
     with pytest.raises(ValueError, match="holds no canaries' state"):  # a checkpoint of a run without canaries
         train.run(_tiny(True), rows, mask, pl, **kw, checkpoint=path, resume=True, key={"config": "b"},
                   canaries=object())
+
+
+def test_random_windows_replay_resume_and_reduce_to_the_first_tokens_where_posts_are_short(tmp_path):
+    """``train.run(windows=...)``: the same run twice is bit-identical; stopped after epoch 2 and
+    resumed, it ends where the uninterrupted run does (the offsets depend on the seed and the step
+    only, so chunks and resumption read the same windows); it reads other tokens than the posts'
+    first L + 1 where posts are longer (another run), and exactly those where none is (the same run)."""
+    g = torch.Generator().manual_seed(1)
+    long_posts = [[1 + int(t) for t in torch.randint(0, 30, (20,), generator=g)] + [EOS] for _ in range(48)]
+    rows, mask = examples.training_rows(long_posts, L=7, eos_id=EOS)
+    found = examples.posts(long_posts, L=7, eos_id=EOS)
+    pl = train.plan(n_posts=rows.shape[0], batch_size=16, epochs=3, eps=4.0, delta=1e-5, private=True, vocab_share=0.0)
+    kw = dict(engine="phantom", C=1.0, lr=3e-2, warmup=0.1, weight_decay=0.0, seed=0)
+    whole = _tiny(True)
+    expected = train.run(whole, rows, mask, pl, **kw, windows=found)
+    again = _tiny(True)
+    assert train.run(again, rows, mask, pl, **kw, windows=found, max_physical_batch=5).loss == pytest.approx(
+        expected.loss, rel=1e-5)  # chunks of 5 read the same windows (sums differ in rounding only)
+    first = train.run(_tiny(True), rows, mask, pl, **kw)
+    assert first.loss != pytest.approx(expected.loss, rel=1e-3)
+
+    def stop_after_two(epoch, metrics):
+        if epoch == 2:
+            raise _Stop
+
+    path = tmp_path / "checkpoint.pt"
+    with pytest.raises(_Stop):
+        train.run(_tiny(True), rows, mask, pl, **kw, windows=found, on_epoch=stop_after_two, checkpoint=path,
+                  key={"config": "a"})
+    resumed = _tiny(True)
+    history = train.run(resumed, rows, mask, pl, **kw, windows=found, checkpoint=path, resume=True, key={"config": "a"})
+    assert history.loss == expected.loss
+    assert all(torch.equal(a, b) for a, b in zip(whole.state_dict().values(), resumed.state_dict().values()))
+
+    short_rows, short_mask = _corpus()  # every post 8 tokens = L + 1: one start each
+    short = examples.posts([r.tolist() for r in short_rows], L=7, eos_id=EOS)
+    pl = train.plan(n_posts=short_rows.shape[0], batch_size=16, epochs=2, eps=4.0, delta=1e-5, private=True,
+                    vocab_share=0.0)
+    plain, windowed = _tiny(True), _tiny(True)
+    assert (train.run(plain, short_rows, short_mask, pl, **kw).loss
+            == train.run(windowed, short_rows, short_mask, pl, **kw, windows=short).loss)
+    assert all(torch.equal(a, b) for a, b in zip(plain.state_dict().values(), windowed.state_dict().values()))
+    with pytest.raises(ValueError, match="one of each per post"):
+        train.run(_tiny(True), short_rows[:10], short_mask[:10], pl, **kw, windows=short)
 
 
 def test_validation_runs_every_kth_epoch_and_after_the_last_and_survives_a_resume(tmp_path):

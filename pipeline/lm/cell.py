@@ -132,13 +132,14 @@ def run(cfg: DictConfig, s: config.Settings) -> Path:
         saved = out / checkpoints.NAME if s.checkpoint else None
         resume = job.sweep is None or job.sweep.resume  # a single run re-launched into its folder, a resumed sweep
         key = {"config_hash": job.digest, "code_hash": checkpoints.code_hash(), "device": dev.type,
-               "data_hash": checkpoints.tensors_hash(prep.rows, prep.mask, *prep.splits["valid"], *prep.splits["test"])}
+               "data_hash": checkpoints.tensors_hash(prep.rows, prep.mask, *prep.splits["valid"], *prep.splits["test"],
+                                                     *(() if prep.posts is None else (prep.posts.ids, prep.posts.length)))}
         if start_from is not None:  # a checkpoint fine-tuned from another pretrained model is not resumed
             key["init_hash"] = pretrained.digest(start_from)
         history = train.run(model, prep.rows, prep.mask, run_plan, engine=s.engine, C=s.C, lr=s.lr, warmup=s.warmup,
                             weight_decay=s.weight_decay, seed=s.seed, validate=validate, on_epoch=on_epoch,
                             checkpoint=saved, resume=resume, key=key, validate_every=s.validate_every,
-                            max_physical_batch=s.max_physical_batch)
+                            max_physical_batch=s.max_physical_batch, windows=prep.posts)
         device.synchronize(dev)
         seconds = time.perf_counter() - t0
         epochs = len(history.loss)

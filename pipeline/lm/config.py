@@ -9,7 +9,8 @@ The keys (``conf/lm/``'s groups and ``conf/lm/experiment/lm_cpu.yaml``, where ea
   training post; a count: the first ones, for small presets), ``eval_posts`` (null: every
   validation and test post; a count: the first ones), ``L`` (tokens per example),
   ``public_groups`` (the newsgroups on the public side), ``part`` (all, public or private: the
-  posts a cell reads), ``examples`` (post: one example per post; windows: every window, public
+  posts a cell reads), ``examples`` (post: one example per post, its first tokens; post_window:
+  one example per post, a random window of it drawn afresh each step; windows: every window, public
   pretraining only);
 - ``vocab``: ``kind`` (private, public, public_groups or private_groups), ``size`` (BPE's target),
   ``eps_share`` (the private vocabulary's share of eps and of delta), ``max_pieces`` (a post's
@@ -76,14 +77,15 @@ class Settings:
     seed: int
     public_groups: tuple[str, ...] | None = None
     part: str = "all"  # the posts a cell reads: every group's, the public groups' or the private groups'
-    examples: str = "post"  # post: a post's first L + 1 tokens, one example; windows: every window (public only)
+    examples: str = "post"  # post: a post's first L + 1 tokens, one example; post_window: a random window of the post,
+                            # drawn afresh each step, one example; windows: every window (public only)
     init: str | None = None  # a pretrained model (file or folder) to start from
     save: str | None = None  # the folder a pretraining writes its model into
     vocab_eps: float = 0.0  # private_groups: the selection's own (eps, delta), spent once and taken off DP-SGD's
     vocab_delta: float = 0.0
 
 
-EXAMPLES = ("post", "windows")
+EXAMPLES = ("post", "post_window", "windows")
 GROUP_KINDS = ("public_groups", "private_groups")  # vocabularies of the group split: they need dataset.public_groups
 
 

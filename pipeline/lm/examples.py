@@ -7,6 +7,13 @@ posts are longer than 128 tokens: their tails are lost to training, not to the g
 per-example loss is the mean cross-entropy over the post's real targets (padding excluded), so each
 post weighs the same whatever its length; clipping bounds its gradient either way.
 
+**One post, one random window** (``dataset.examples=post_window``, the DP fine-tuning's): each
+time a post is sampled it is one example of L + 1 consecutive tokens at an offset drawn uniformly
+(``window_rows``: every start that fits, the post's first tokens where it is shorter), fresh at
+every step, so training reads the whole post over the run instead of its opening only. The
+privacy unit is still the post: a step reads one window of each sampled post, whose clipped
+gradient moves the sum by at most C, and the offsets are drawn independently of the data.
+
 **Evaluation covers every token**: each post ("post" + end-of-text) is cut into consecutive,
 non-overlapping windows of L + 1 tokens that overlap by one (the last token of a window is the
 first input of the next), so every token after a post's first is predicted exactly once, from
@@ -15,6 +22,8 @@ loss over all predicted tokens of all posts (token-weighted), accuracy the share
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -34,6 +43,41 @@ def training_rows(ids: list[list[int]], L: int, eos_id: int) -> tuple[torch.Tens
         post = post[: L + 1]
         rows[i, : len(post)] = torch.tensor(post, dtype=torch.long)
         mask[i, : len(post) - 1] = True
+    return rows, mask
+
+
+@dataclass(frozen=True)
+class Posts:
+    """Every training post's tokens, for one window per post per step (``window_rows``)."""
+    ids: torch.Tensor  # every post's tokens back to back, each followed by L + 1 end-of-text ids
+    start: torch.Tensor  # (n,) where each post begins in ids
+    length: torch.Tensor  # (n,) its tokens, the end-of-text id included
+    L: int
+
+
+def posts(ids: list[list[int]], L: int, eos_id: int) -> Posts:
+    """The posts' token ids (``encode``'s) as ``Posts`` for windows of L + 1 tokens."""
+    flat, start, at = [], [], 0
+    for post in ids:
+        start.append(at)
+        flat.extend(post)
+        flat.extend([eos_id] * (L + 1))
+        at += len(post) + L + 1
+    return Posts(torch.tensor(flat, dtype=torch.long), torch.tensor(start, dtype=torch.long),
+                 torch.tensor([len(p) for p in ids], dtype=torch.long), L)
+
+
+def window_rows(found: Posts, pick: torch.Tensor, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(k, L + 1) rows of the posts ``pick`` and their (k, L) masks of real targets: post i's window
+    starts at floor(u_i s_i), s_i its number of starts (its length - L, at least 1), u_i in [0, 1).
+    At u = 0 a row and its mask are ``training_rows``'s (the post's first L + 1 tokens)."""
+    L = found.L
+    length = found.length[pick]
+    starts = (length - L).clamp(min=1)
+    off = torch.minimum((u.double() * starts).long(), starts - 1)
+    ahead = torch.arange(L + 1)
+    rows = found.ids[(found.start[pick] + off)[:, None] + ahead]
+    mask = (off[:, None] + ahead[1:]) < length[:, None]
     return rows, mask
 
 

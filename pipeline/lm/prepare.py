@@ -30,6 +30,9 @@ class Prepared:
     splits: dict[str, tuple[torch.Tensor, torch.Tensor]]  # valid, test: windows and their masks
     stats: dict[str, float]
     released: int  # pieces the private selection released (0 for a public vocabulary)
+    posts: object = None  # dataset.examples=post_window: every training post's tokens (examples.Posts), drawn from
+                          # in training; rows and mask still hold each post's first L + 1 tokens (counts, buckets and
+                          # the unigram references read them)
 
 
 _MEMO: dict[tuple, Prepared] = {}
@@ -66,6 +69,7 @@ def prepare(s, seed: int) -> Prepared:
 
 
 def _prepare(s, seed: int) -> Prepared:
+    found_posts = None
     with progress.Progress("preparing data", total=3) as bar:  # seconds to minutes: the vocabulary and the encoding
         bar.start("posts: reading and splitting")
         corpus = data.read_cached(str(data.resolve(s.archive)), public_groups=s.public_groups, part=s.part)
@@ -103,8 +107,10 @@ def _prepare(s, seed: int) -> Prepared:
         train_ids = examples.encode(train, tokenizer, eos)
         if s.examples == "windows":  # public pretraining: every window of every post (a post is several examples)
             rows, mask = examples.windows(train_ids, s.L, eos)
-        else:  # one post, one example: its first L + 1 tokens (the privacy unit)
+        else:  # one post, one example (the privacy unit): its first L + 1 tokens, or a random window of it a step
             rows, mask = examples.training_rows(train_ids, s.L, eos)
+            if s.examples == "post_window":
+                found_posts = examples.posts(train_ids, s.L, eos)
         splits = {name: examples.windows(examples.encode(texts, tokenizer, eos), s.L, eos)
                   for name, texts in (("valid", valid), ("test", test))}
     stats = {"train_posts": len(train), "valid_posts": len(valid), "test_posts": len(test),
@@ -113,4 +119,4 @@ def _prepare(s, seed: int) -> Prepared:
              "train_examples": int(rows.shape[0]),  # posts, or their windows (dataset.examples=windows)
              "released_pieces": released,  # the share of training posts longer than an example (their tails unread)
              "truncated_share": float(np.mean([len(t) > s.L + 1 for t in train_ids])) if train_ids else math.nan}
-    return Prepared(tokenizer, eos, tokenizer.get_vocab_size(), rows, mask, splits, stats, released)
+    return Prepared(tokenizer, eos, tokenizer.get_vocab_size(), rows, mask, splits, stats, released, found_posts)

@@ -1,6 +1,7 @@
 """The language-model task's random streams, each derived from the cell's ``seed`` and its own name
 (NumPy's ``SeedSequence``): the split, the vocabulary's selection noise, the model's initial
-weights, DP-SGD's Poisson sampling, DP-SGD's noise and the DP unigram model's noise never share
+weights, DP-SGD's Poisson sampling, DP-SGD's noise, the DP unigram model's noise and the offsets of
+``dataset.examples=post_window``'s windows never share
 bits, within a seed or across seeds (seed s's noise is not seed s + 1's initialisation). Sampling
 and noise are apart so that a tied and an untied cell of one seed (whose noise draws differ in
 number: the untied model has V d more coordinates) are trained on the same Poisson batches.
@@ -15,7 +16,7 @@ import zlib
 
 import numpy as np
 
-NAMES = ("split", "vocab", "init", "sampling", "noise", "unigram")
+NAMES = ("split", "vocab", "init", "sampling", "noise", "unigram", "windows")
 
 
 def seed_of(seed: int, name: str) -> int:

@@ -21,6 +21,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable
 
+import numpy as np
 import torch
 
 from pipeline import checkpoints, dpsgd, progress
@@ -78,8 +79,11 @@ def run(model, rows: torch.Tensor, mask: torch.Tensor, run_plan: Plan, *, engine
         warmup: float, weight_decay: float, seed: int, validate: Callable | None = None,
         on_epoch: Callable[[int, dict], None] | None = None, canaries=None, checkpoint: Path | None = None,
         resume: bool = False, key: dict | None = None, validate_every: int = 1,
-        max_physical_batch: int | None = None) -> History:
-    """Train ``model`` in place on the (n, L + 1) ``rows`` and their target ``mask``. With
+        max_physical_batch: int | None = None, windows=None) -> History:
+    """Train ``model`` in place on the (n, L + 1) ``rows`` and their target ``mask``, or, with
+    ``windows`` (``examples.Posts`` of the same n posts), on one window of each sampled post drawn
+    afresh at every step (``examples.window_rows``; step t's offsets are drawn for all n posts from
+    the seed's ``windows`` stream and t, so they do not depend on chunks, resumption or the model). With
     ``canaries`` (``pipeline.canaries.DiracCanaries``, the whole-run audit), the sampled included
     canaries join every step's clipped sum before the noise, and the noisy sum is observed (their
     sums and generator are checkpointed with the rest, so an audited run resumes too). The
@@ -89,16 +93,29 @@ def run(model, rows: torch.Tensor, mask: torch.Tensor, run_plan: Plan, *, engine
     the history) is saved there at the end of every epoch (``pipeline.checkpoints``); with ``resume``, a
     checkpoint there whose ``key`` matches is continued from, and the run ends with the numbers of an
     uninterrupted one. ``validate`` runs after every ``validate_every``-th epoch and after the last."""
+    if windows is not None and len(windows.length) != rows.shape[0]:
+        raise ValueError(f"windows holds {len(windows.length)} posts and rows {rows.shape[0]}: one of each per post")
     if canaries is not None and engine == "none":
         raise ValueError("canaries audit a private run: engine none has no clipped sum to join")
+    from pipeline.lm import examples
     from pipeline.lm.examples import example_losses
 
     bound = engines.make(engine, model, C)
     opt, sched = dpsgd.adam(model, lr=lr, weight_decay=weight_decay, steps=run_plan.steps, warmup=warmup)
     dev = next(model.parameters()).device
 
+    drawn: dict = {}  # step t -> its offsets' uniforms, one per post
+
     def take(pick: torch.Tensor):
-        return rows[pick].to(dev), mask[pick].to(dev)
+        if windows is None:
+            return rows[pick].to(dev), mask[pick].to(dev)
+        t = trainer.steps_done
+        if t not in drawn:
+            drawn.clear()
+            u = np.random.default_rng([streams.seed_of(seed, "windows"), t]).random(len(windows.length))
+            drawn[t] = torch.from_numpy(u)
+        found, found_mask = examples.window_rows(windows, pick, drawn[t][pick])
+        return found.to(dev), found_mask.to(dev)
 
     trainer = dpsgd.Trainer(model, bound.engine, example_losses, take, run_plan, C=C, optimizer=opt, schedule=sched,
                             sampling=torch.Generator().manual_seed(streams.seed_of(seed, "sampling")),
