@@ -256,6 +256,34 @@ def test_a_fine_tuning_starts_from_the_pretrained_weights_and_reports_the_public
     assert "- **The setting is " in text and "pretrained on the public groups, fine-tuned on the private groups" in text
 
 
+def test_a_fine_tuning_trains_on_random_windows_of_whole_posts(pretrained_models, tmp_path, cfg_for, monkeypatch):
+    """lm_finetune's ``dataset.examples=post_window``: ``prepare`` holds every training post's tokens
+    (and the first L + 1 tokens of each as rows, for the counts and references), the cell hands them
+    to the trainer, and the windows read cover more than the posts' first L + 1 tokens; with
+    ``examples=post`` it holds none and the cell trains on the rows."""
+    from pipeline.lm.prepare import prepare
+
+    archive, models_at, _ = pretrained_models
+    s = config.validate(_fine_tuning(cfg_for, archive, models_at, "privacy.eps=8"))
+    assert s.examples == "post_window"
+    prep = prepare(s, 0)
+    assert prep.posts is not None and len(prep.posts.length) == prep.rows.shape[0] == prep.stats["train_posts"]
+    assert int(prep.posts.length.max()) > s.L + 1  # some post is longer than one example
+    seen, real = [], train.run
+
+    def spy(*args, **kw):
+        seen.append(kw.get("windows"))
+        return real(*args, **kw)
+
+    monkeypatch.setattr(train, "run", spy)
+    _run(_fine_tuning(cfg_for, archive, models_at, "privacy.eps=8"), tmp_path / "window", monkeypatch)
+    _run(_fine_tuning(cfg_for, archive, models_at, "privacy.eps=8", "dataset.examples=post"), tmp_path / "post",
+         monkeypatch)
+    assert seen[0] is not None and torch.equal(seen[0].ids, prep.posts.ids) and seen[1] is None
+    assert prepare(config.validate(_fine_tuning(cfg_for, archive, models_at, "privacy.eps=8",
+                                                "dataset.examples=post")), 0).posts is None
+
+
 def test_a_pretrained_file_of_other_settings_is_refused_naming_the_key(pretrained_models, tmp_path, cfg_for):
     archive, models_at, _ = pretrained_models
 

@@ -272,6 +272,28 @@ def test_random_windows_replay_resume_and_reduce_to_the_first_tokens_where_posts
         train.run(_tiny(True), short_rows[:10], short_mask[:10], pl, **kw, windows=short)
 
 
+def test_each_step_draws_its_own_windows(monkeypatch):
+    """A post sampled at two steps is read at offsets drawn independently for each (not one draw for
+    the run): over a short run the offsets of the posts sampled at two steps differ for most."""
+    g = torch.Generator().manual_seed(2)
+    long_posts = [[1 + int(t) for t in torch.randint(0, 30, (40,), generator=g)] + [EOS] for _ in range(32)]
+    rows, mask = examples.training_rows(long_posts, L=7, eos_id=EOS)
+    found = examples.posts(long_posts, L=7, eos_id=EOS)
+    read, real = [], examples.window_rows
+
+    def spy(posts, pick, u):
+        read.append(dict(zip(pick.tolist(), u.tolist())))
+        return real(posts, pick, u)
+
+    monkeypatch.setattr(examples, "window_rows", spy)
+    pl = train.plan(n_posts=32, batch_size=16, epochs=2, eps=4.0, delta=1e-5, private=True, vocab_share=0.0)
+    train.run(_tiny(True), rows, mask, pl, engine="phantom", C=1.0, lr=1e-3, warmup=0.1, weight_decay=0.0, seed=0,
+              windows=found)
+    assert len(read) == pl.steps
+    pairs = [(a[i], b[i]) for a, b in zip(read, read[1:]) for i in set(a) & set(b)]
+    assert len(pairs) > 10 and sum(x != y for x, y in pairs) == len(pairs)
+
+
 def test_validation_runs_every_kth_epoch_and_after_the_last_and_survives_a_resume(tmp_path):
     """``train.validate_every = 2`` over 3 epochs validates after epochs 2 and 3 only; a run stopped
     after epoch 2 and resumed reports epoch 2's validation from its checkpoint, not a new one, and
