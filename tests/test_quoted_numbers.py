@@ -160,18 +160,58 @@ def pct(v: float) -> str:
 
 
 LM = "docs/lm.md"
-README_LM = [  # README's tying gains and intervals (results at a glance), from artifacts/lm_tying/metrics.json
-    *[(f"| {e} | {{}} | ", f"tying_gain.eps_{e}") for e in ("1", "3", "8")],
-    *[("[{}, ", f"tying_gain.eps_{e}.ci_low") for e in ("1", "3", "8", "inf")],
-    *[(", {}] | ", f"tying_gain.eps_{e}.ci_high") for e in ("1", "3", "8", "inf")],
-    ("| inf (clipped, no noise) | {} | ", "tying_gain.eps_inf"),
+def interval(stage: str, key: str) -> str:
+    """A gain and its 95% interval the way the pages write them: -9.7% [-9.9%, -9.5%]."""
+    return f"{pct(metric(stage, key))} [{pct(metric(stage, key + '.ci_low'))}, {pct(metric(stage, key + '.ci_high'))}]"
+
+
+README_LM = [  # README's from-scratch tying gains (lm_tying) in one sentence
+    *[(f"{{}} at {'eps ' if e == '1' else ''}{e}", f"tying_gain.eps_{e}") for e in ("1", "3", "8")],
+    ("(without noise {})", "tying_gain.eps_inf"),
 ]
 
 
 @pytest.mark.parametrize("phrase, key", README_LM, ids=[q[1] for q in README_LM])
-def test_readmes_tying_verdict_quotes_the_committed_metrics(phrase, key):
-    shown = phrase.format(pct(metric("lm_tying", key)))
+def test_readmes_from_scratch_tying_gains_are_the_committed_metrics(phrase, key):
+    shown = phrase.format(interval("lm_tying", key))
     assert shown in text("README.md"), f"README.md should quote {shown!r} (lm_tying/{key})"
+
+
+FINETUNE = "vocab_public_groups."  # lm_finetune's headline setting: the public groups' vocabulary
+
+
+@pytest.mark.parametrize("eps", ["1", "3", "8", "inf"])
+def test_the_fine_tuning_tables_tying_gains_are_the_committed_metrics(eps):
+    """README's table and docs/lm.md's (beside the private groups' vocabulary's) of lm_finetune."""
+    key = f"{FINETUNE}tying_gain.eps_{eps}"
+    gain, low, high = (pct(metric("lm_finetune", key + end)) for end in ("", ".ci_low", ".ci_high"))
+    label = "inf (clipped, no noise)" if eps == "inf" else eps
+    assert f"| {label} | {gain} | [{low}, {high}] |" in text("README.md"), (eps, gain)
+    private = interval("lm_finetune", f"vocab_private_groups.tying_gain.eps_{eps}")
+    assert f"| {eps} | {gain} [{low}, {high}] | " in text(LM) and f" | {private} |" in text(LM), (eps, private)
+
+
+def test_the_fine_tuning_checks_and_perplexities_are_the_committed_metrics():
+    """The size check at eps = 8 (each fine-tuned model against its public-only model), the
+    public-only models' perplexities and docs/lm.md's table of test perplexities."""
+    tied, untied = (interval("lm_finetune", f"{FINETUNE}check.{m}.vs_public_only.eps_8") for m in ("tied", "untied"))
+    for page in ("README.md", LM):
+        assert f"tied {tied}" in text(page) and f"untied {untied}" in text(page), page
+    assert metric("lm_finetune", f"{FINETUNE}check.large_enough") == 1.0
+    assert metric("lm_finetune", "vocab_private_groups.check.large_enough") == 0.0  # "too small", as the pages say
+    before = [f"{metric('lm_finetune', f'{FINETUNE}public_only_{m}.eps_8.test_perplexity'):.1f}" for m in ("tied", "untied")]
+    assert f"tied {before[0]}, untied {before[1]}" in text("README.md")
+    assert f"are {before[0]} (tied) and {before[1]} (untied)" in text(LM)
+
+    def row(model):
+        return " | ".join(f"{metric('lm_finetune', f'{FINETUNE}{model}.eps_{e}.test_perplexity'):.1f}"
+                          for e in ("1", "3", "8", "inf"))
+
+    assert f"| tied, fine-tuned | {row('tied')} |" in text(LM) and f"| untied, fine-tuned | {row('untied')} |" in text(LM)
+    unigram = " | ".join(f"{metric('lm_finetune', f'{FINETUNE}unigram.eps_{e}.test_perplexity'):.1f} / "
+                         f"{metric('lm_finetune', f'{FINETUNE}unigram_dp.eps_{e}.test_perplexity'):.1f}"
+                         for e in ("1", "3", "8"))
+    assert f"| unigram / DP unigram | {unigram} |" in text(LM)
 
 
 LM_QUOTED = [  # docs/lm.md's per-bucket gains, from artifacts/lm_tying/metrics.json
