@@ -68,11 +68,12 @@ def _tracking_uri_restored():
 
 @pytest.fixture
 def cfg_for():
-    """Compose the real config with overrides, as `python -m pipeline` would."""
+    """Compose the real config with overrides, as `python -m pipeline` would (``name="audit"``: as
+    `python -m pipeline.audit` would)."""
 
-    def make(*overrides: str, hydra: bool = False):
+    def make(*overrides: str, hydra: bool = False, name: str = "config"):
         with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
-            return compose("config", overrides=list(overrides), return_hydra_config=hydra)
+            return compose(name, overrides=list(overrides), return_hydra_config=hydra)
 
     return make
 

@@ -13,7 +13,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from hydra import compose, initialize_config_dir
 
 from pipeline import dpsgd
 from pipeline.dpsgd import noise as dp_noise
@@ -188,11 +187,6 @@ def test_peak_cuda_memory_follows_the_chunk():
 # the one refusal path: a budget the accountant cannot reach
 
 
-def _audit_cfg(*overrides: str):
-    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
-        return compose("audit", overrides=list(overrides))
-
-
 @pytest.mark.parametrize("eps", ["1e-6", "1e-3"])
 @pytest.mark.parametrize("case", ["lm", "lm_public_rdp", "dpformer", "dpformer_reattention", "lm_audit",
                                   "dpformer_audit_run", "dpformer_audit_step"])
@@ -208,7 +202,7 @@ def test_a_budget_the_accountant_cannot_reach_is_one_refusal_naming_the_key(cfg_
             "dpformer_audit_step": ["experiment=dpformer_ci"]}[case]
     overrides = [*more, f"privacy.eps={eps}"]
     if "audit" in case:
-        cfg = _audit_cfg(*overrides)
+        cfg = cfg_for(*overrides, name="audit")
         if case == "lm_audit":
             from pipeline.lm import audit
             check = audit.validate

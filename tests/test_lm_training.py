@@ -195,6 +195,12 @@ class _Stop(Exception):
     pass
 
 
+def stop_after_two(epoch, metrics):
+    """``on_epoch`` that stops a run after its second epoch (as a kill would, after the checkpoint)."""
+    if epoch == 2:
+        raise _Stop
+
+
 def test_a_stopped_run_resumes_to_the_uninterrupted_numbers_and_another_key_starts_over(tmp_path):
     """Killed after epoch 2 of 3 and re-launched into its folder: the same weights and history, bit
     for bit, as a run never stopped (both generators, the schedule and Adam's state restored); a
@@ -205,10 +211,6 @@ def test_a_stopped_run_resumes_to_the_uninterrupted_numbers_and_another_key_star
     whole = _tiny(True)
     expected = train.run(whole, rows, mask, pl, **kw)
     path = tmp_path / "checkpoint.pt"
-
-    def stop_after_two(epoch, metrics):
-        if epoch == 2:
-            raise _Stop
 
     stopped = _tiny(True)
     with pytest.raises(_Stop):
@@ -228,13 +230,18 @@ def test_a_stopped_run_resumes_to_the_uninterrupted_numbers_and_another_key_star
                   canaries=object())
 
 
+def _long_posts(n: int, length: int, seed: int) -> list[list[int]]:
+    """n posts of ``length`` random tokens (1-30) and the end-of-text id: longer than one example."""
+    g = torch.Generator().manual_seed(seed)
+    return [[1 + int(t) for t in torch.randint(0, 30, (length,), generator=g)] + [EOS] for _ in range(n)]
+
+
 def test_random_windows_replay_resume_and_reduce_to_the_first_tokens_where_posts_are_short(tmp_path):
     """``train.run(windows=...)``: the same run twice is bit-identical; stopped after epoch 2 and
     resumed, it ends where the uninterrupted run does (the offsets depend on the seed and the step
     only, so chunks and resumption read the same windows); it reads other tokens than the posts'
     first L + 1 where posts are longer (another run), and exactly those where none is (the same run)."""
-    g = torch.Generator().manual_seed(1)
-    long_posts = [[1 + int(t) for t in torch.randint(0, 30, (20,), generator=g)] + [EOS] for _ in range(48)]
+    long_posts = _long_posts(48, 20, seed=1)
     rows, mask = examples.training_rows(long_posts, L=7, eos_id=EOS)
     found = examples.posts(long_posts, L=7, eos_id=EOS)
     pl = train.plan(n_posts=rows.shape[0], batch_size=16, epochs=3, eps=4.0, delta=1e-5, private=True, vocab_share=0.0)
@@ -246,10 +253,6 @@ def test_random_windows_replay_resume_and_reduce_to_the_first_tokens_where_posts
         expected.loss, rel=1e-5)  # chunks of 5 read the same windows (sums differ in rounding only)
     first = train.run(_tiny(True), rows, mask, pl, **kw)
     assert first.loss != pytest.approx(expected.loss, rel=1e-3)
-
-    def stop_after_two(epoch, metrics):
-        if epoch == 2:
-            raise _Stop
 
     path = tmp_path / "checkpoint.pt"
     with pytest.raises(_Stop):
@@ -275,8 +278,7 @@ def test_random_windows_replay_resume_and_reduce_to_the_first_tokens_where_posts
 def test_each_step_draws_its_own_windows(monkeypatch):
     """A post sampled at two steps is read at offsets drawn independently for each (not one draw for
     the run): over a short run the offsets of the posts sampled at two steps differ for most."""
-    g = torch.Generator().manual_seed(2)
-    long_posts = [[1 + int(t) for t in torch.randint(0, 30, (40,), generator=g)] + [EOS] for _ in range(32)]
+    long_posts = _long_posts(32, 40, seed=2)
     rows, mask = examples.training_rows(long_posts, L=7, eos_id=EOS)
     found = examples.posts(long_posts, L=7, eos_id=EOS)
     read, real = [], examples.window_rows
@@ -314,10 +316,6 @@ def test_validation_runs_every_kth_epoch_and_after_the_last_and_survives_a_resum
     assert [v["epoch"] for v in history.valid] == [2, 3] and len(calls) == 2
     frame = history_frame(history)
     assert math.isnan(frame["valid_perplexity"][0]) and frame["valid_perplexity"][1:].tolist() == [1.0, 2.0]
-
-    def stop_after_two(epoch, metrics):
-        if epoch == 2:
-            raise _Stop
 
     path = tmp_path / "checkpoint.pt"
     calls.clear()

@@ -6,7 +6,6 @@ and a run without noise is a violation."""
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -315,16 +314,13 @@ def test_the_cli_plans_an_audit_without_training_or_leaving_a_folder(tmp_path):
     assert bad.returncode == 2 and bad.stderr.strip().splitlines()[-1].startswith("error: audit.plan_only")
 
 
-def test_the_language_models_audit_refuses_random_windows():
+def test_the_language_models_audit_refuses_random_windows(cfg_for):
     """The whole-run audit's input canaries and accounting take each post's first L + 1 tokens as its
     one example: a run of random windows (lm_finetune's ``dataset.examples=post_window``) is refused
     by key (every window, ``windows``, is refused with any finite eps already)."""
     from pipeline.lm import audit
     from pipeline.validation import ConfigError
 
-    from hydra import compose, initialize_config_dir
-
-    with initialize_config_dir(config_dir=str(Path(__file__).resolve().parents[1] / "conf"), version_base="1.3"):
-        cfg = compose("audit", overrides=["experiment=lm_ci", "audit.scope=run", "dataset.examples=post_window"])
+    cfg = cfg_for("experiment=lm_ci", "audit.scope=run", "dataset.examples=post_window", name="audit")
     with pytest.raises(ConfigError, match="dataset.examples = 'post_window'"):
         audit.validate(cfg)
