@@ -327,3 +327,26 @@ def test_publish_leaves_out_what_json_cannot_hold(tmp_path):
 
     sweep.publish(OmegaConf.create({"report": {"dir": str(tmp_path)}}), [], {"a": 1.5, "b": float("nan"), "c": float("inf"), "n": 3})
     assert json.loads((tmp_path / "metrics.json").read_text(), parse_constant=_no_constant) == {"a": 1.5, "n": 3}
+
+
+def _survives_the_lock(cmd) -> bool:
+    """Whether a stage's command reads back unchanged from the text DVC's lock writer makes of it (its
+    ruamel dumper folds long plain scalars, and a fold between two spaces drops one)."""
+    from dvc.utils.serialize import dumps_yaml, parse_yaml
+
+    return parse_yaml(dumps_yaml({"stages": {"s": {"cmd": cmd}}}), "dvc.lock")["stages"]["s"]["cmd"] == cmd
+
+
+def test_every_stage_command_survives_the_lock_file():
+    """A stage whose command does not read back from dvc.lock as dvc.yaml renders it is "changed" forever:
+    `dvc repro` reruns it every time (lm_audit_run did, where an empty ${lm_audit_extra} left two spaces
+    at a fold). Every stage's command, rendered from dvc.yaml and params.yaml, survives the lock writer;
+    and the check does catch the fold that broke it."""
+    from dvc.repo import Repo
+
+    with Repo(str(ROOT)) as repo:
+        commands = {stage.name: stage.cmd for stage in repo.index.stages if getattr(stage, "cmd", None)}
+    assert len(commands) == len(yaml.safe_load((ROOT / "dvc.yaml").read_text())["stages"])
+    assert [name for name, cmd in commands.items() if not _survives_the_lock(cmd)] == []
+    broken = commands["lm_audit_run"][1].replace("] || exit 1; for t", "]  || exit 1; for t")
+    assert broken != commands["lm_audit_run"][1] and not _survives_the_lock([broken])

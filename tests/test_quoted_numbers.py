@@ -247,28 +247,31 @@ def test_the_cost_table_is_the_committed_benchmark():
         assert f"| {V:,} | {' | '.join(shown)} |" in text(LM), V
 
 
-@pytest.mark.parametrize("page, stage, runs", [("docs/lm.md", "lm_audit_run", 8),
-                                               ("docs/dpformer.md", "dpformer_audit_run", 10)])
-def test_the_whole_run_audit_table_is_the_committed_metrics(page, stage, runs):
-    """The docs' table of a whole-run audit's DVC stage: each row's correct guesses, bound, ceiling and
-    power are the committed metrics.json's (the verdict follows from them)."""
+@pytest.mark.parametrize("page, stage, runs, groups", [("docs/lm.md", "lm_audit_run", 42, 10),
+                                                       ("docs/dpformer.md", "dpformer_audit_run", 43, 11)])
+def test_the_whole_run_audit_table_is_the_committed_metrics(page, stage, runs, groups):
+    """The docs' table of a whole-run audit's DVC stage (``python -m pipeline.run_audit``'s summary over
+    seeds): every group of the committed metrics.json is a row, and each row's seeds, proofs,
+    Gaussian-only violations and median bounds (Steinke's, f-DP, GDP, the best) are its numbers."""
     metrics = json.loads((ROOT / "artifacts" / stage / "metrics.json").read_text())
     page = (ROOT / page).read_text()
     section = page[page.index(f"### The DVC stage `{stage}`"):]
     section = section[:section.index("\n#", 1)] if "\n#" in section[1:] else section
     rows = [line.split(" | ") for line in section.splitlines()
-            if line.startswith("| ") and line.count(" | ") == 12 and not line.startswith("| variant")]
-    assert len(rows) == metrics["runs"] == runs
+            if line.startswith("| ") and line.count(" | ") == 15 and not line.startswith("| claim")]
+    keys = [k.removesuffix(".seeds") for k in metrics if k.endswith(".seeds")]
+    assert len(rows) == len(keys) == groups and metrics["runs"] == runs
+    assert sum(metrics[k + ".seeds"] for k in keys) == runs
+    shown = set()
     for cells in rows:
-        variant, kind = cells[0].lstrip("| "), cells[1]
-        key = f"{variant}.{kind}."
-        assert cells[7] == f"{metrics[key + 'correct']} / {metrics[key + 'guesses']}", cells
-        assert cells[8] == f"{metrics[key + 'eps_lower']:.3f}", cells
-        assert cells[10] == f"{metrics[key + 'eps_ceiling']:.2f}" and cells[11] == f"{metrics[key + 'power']:.2f}", cells
-        bound, claim, power, ceiling = (float(cells[i]) for i in (8, 9, 11, 10))
-        verdict = cells[12].rstrip(" |")
-        assert (verdict == "violation") == (bound > claim) and (verdict.startswith("too weak") or bound > claim
-                                                                 or min(power, ceiling) > claim), cells
+        claim, model, variant, canaries = cells[0].lstrip("| "), cells[1], cells[2], cells[3]
+        key = f"eps{claim}.{model}.{variant}.{canaries}."
+        shown.add(key[:-1])
+        assert [int(c) for c in cells[5:8]] == [metrics[key + k] for k in ("seeds", "proofs", "gaussian")], cells
+        assert cells[8].split(" [")[0] == f"{metrics[key + 'eps_lower_median']:.2f}", cells
+        assert cells[9:12] == [f"{metrics[key + k + '_median']:.2f}" for k in ("fdp_eps_lower", "gdp_eps_lower",
+                                                                                 "best_bound")], cells
+    assert shown == set(keys)
 
 
 @pytest.mark.parametrize("page", ["docs/clipping.md"])
