@@ -205,11 +205,13 @@ def test_a_layer_whose_call_reaches_a_parameter_it_does_not_hold_is_refused():
 
 
 def test_batch_mixing_layers_are_refused_and_unregistered_ones_read_exactly():
-    """BatchNorm has no per-example gradient: refused when the engine is made. A layer without a
+    """BatchNorm on the batch's statistics has no per-example gradient: refused on the step, with or
+    without trainable parameters (tests/test_clipping_adversarial.py has the rest). A layer without a
     registered function (an nn.Conv2d, a model holding a bare matrix Parameter) is read by torch.func,
     each example's gradient of its own parameters materialised: exact against the brute force."""
     with pytest.raises(Unsupported, match=r"layer 1 \(torch.nn.modules.batchnorm.BatchNorm1d\) mixes the examples"):
-        PhantomClipping(nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4)), C=1.0)
+        PhantomClipping(nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4)), C=1.0).step(
+            lambda m, b: m(b).sum(-1), torch.randn(4, 3))
 
     class Loose(nn.Module):
         def __init__(self):
@@ -227,8 +229,9 @@ def test_batch_mixing_layers_are_refused_and_unregistered_ones_read_exactly():
     _, norms = PhantomClipping(model, C=1.0).step(lambda m, b: m(b), x)
     torch.testing.assert_close(norms, norms_of(grads), rtol=1e-10, atol=1e-12)
     frozen = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4))
-    frozen[1].requires_grad_(False)
-    PhantomClipping(frozen, C=1.0)  # a frozen layer needs no per-example gradient
+    frozen[1].requires_grad_(False)  # frozen, it still mixes the examples in training mode
+    with pytest.raises(Unsupported, match=r"layer 1 .* mixes the examples of a batch"):
+        PhantomClipping(frozen, C=1.0).step(lambda m, b: m(b).sum(-1), torch.randn(4, 3))
     with pytest.raises(ValueError, match="loss_fn must return the"):
         PhantomClipping(nn.Linear(3, 1), C=1.0).step(lambda m, x: m(x).sum(), torch.ones(2, 3))
 

@@ -50,6 +50,8 @@ import numpy as np
 import torch
 from torch import nn
 from torch.autograd.graph import get_gradient_edge
+from torch.nn.modules import module as torch_module  # torch's global module hooks
+from torch.nn.utils import parametrize
 
 from pipeline.clipping import functional, guard
 from pipeline.clipping.guard import Unsupported
@@ -60,7 +62,7 @@ RULES = ("classic", "automatic")
 CHECKS = ("guard", "brute")
 SUM_BY = ("bookkeeping", "backward")
 FORMS = ("auto", "gram", "direct")
-MIXING = (nn.modules.batchnorm._BatchNorm, nn.GroupNorm)  # GroupNorm is per-example, but unregistered: named
+BATCH_STATISTICS = nn.modules.batchnorm._BatchNorm  # in training mode (or without running statistics): examples mix
 FLAT_DEPTH = 8  # graph nodes walked back from a layer's (n T, d) input to the batch-first tensor it was flattened from
 
 
@@ -115,6 +117,25 @@ def _batch_size(batch: Any) -> int | None:
         if found is not None:
             return found
     return None
+
+
+_REGISTER_HOOK = torch.Tensor.register_hook
+
+
+def _name_of(hook) -> str:
+    """A hook's name for a message: its qualified name, or its type's."""
+    return getattr(hook, "__qualname__", None) or getattr(getattr(hook, "func", None), "__qualname__", None) \
+        or type(hook).__qualname__
+
+
+def _refuse_gradient_hook(tensor: torch.Tensor, hook: Callable):
+    """``Tensor.register_hook`` while the engine runs a forward pass: a hook on an intermediate gradient can
+    rewrite what the engine reads (a division by the batch's gradient norm mixes the examples), and the
+    autograd graph does not show it to the guard: refused where it is registered."""
+    raise Unsupported(f"a gradient hook ({_name_of(hook)}) was registered on a tensor during the forward pass "
+                      "(tensor.register_hook): it can rewrite the gradients the engine reads, mixing the examples or "
+                      "scaling one of them, and no per-example bound then holds; remove it while training with the "
+                      "engine")
 
 
 class _ByAutograd:
@@ -182,12 +203,16 @@ class PhantomClipping:
         self._active = False
         self._hint: int | None = None  # this forward pass's number of examples, from the batch
         self._modes: list = []
+        self._first: dict[nn.Module, int] = {}  # layer -> the id of the engine's recording hook, which must run first
         for module, how in self._how.items():
             if how == "capture":
                 module.register_forward_pre_hook(self._enter)
                 module.register_forward_hook(self._leave, always_call=True)
             if how != "capture" or self._reads.get(module):
-                module.register_forward_hook(self._record, with_kwargs=True)
+                # first of the layer's forward hooks: what a user's hook does to the output is outside the call
+                self._first[module] = module.register_forward_hook(self._record, with_kwargs=True, prepend=True).id
+        self._registered = [m for m, how in self._how.items() if callable(how)]  # read by a registered function
+        self._statistics = [m for m in self._names if isinstance(m, BATCH_STATISTICS)]
 
     def _subclass_hint(self, module: nn.Module) -> str:
         """What the guard says of a subclass read at its base's functional call whose forward computed
@@ -210,7 +235,9 @@ class PhantomClipping:
         held by layers inside it: read by torch.func for what ``_adopt`` gives it); and for the layers
         torch.func reads, the names of the parameters it reads (an autograd layer's own; a subclass's
         that its base's call does not take; a host's none). Unsupported: a layer that mixes the
-        examples of a batch, an embedding whose gradient is scaled by the batch's counts."""
+        examples of a batch, an embedding whose gradient is scaled by the batch's counts, a parametrized
+        layer. A BatchNorm is read by torch.func, and refused on a step on which it uses the batch's statistics
+        (``_refuse_unseen``)."""
         holders: dict[int, list[nn.Module]] = {}
         for module in self._names:
             for _, p in module.named_parameters(recurse=False):
@@ -231,10 +258,14 @@ class PhantomClipping:
                 continue
             kind = f"{type(module).__module__}.{type(module).__qualname__}"
             held = [f"{name}.{k}" if name else k for k, _ in own]
-            if isinstance(module, MIXING):
-                raise Unsupported(f"layer {name or '(the model)'} ({kind}) mixes the examples of a batch, and holds the "
-                                  f"trainable {held}: no per-example gradient exists; freeze them "
-                                  "(requires_grad=False) or use a per-example normalisation (LayerNorm)")
+            if isinstance(module, parametrize.ParametrizationList):
+                layer, _, tensor = name.rpartition(".parametrizations.")
+                raise Unsupported(f"layer {layer or '(the model)'} is parametrized (torch.nn.utils.parametrize, as "
+                                  f"weight_norm, spectral_norm and orthogonal do): its {tensor} is computed from the "
+                                  f"trainable {held} on every access, and the engine gives no per-example gradient "
+                                  "through a parametrization; remove it (torch.nn.utils.parametrize."
+                                  f"remove_parametrizations(layer, {tensor!r})) or freeze its originals "
+                                  "(requires_grad=False)")
             if isinstance(module, nn.Embedding) and module.scale_grad_by_freq:
                 raise Unsupported(f"layer {name} (nn.Embedding) has scale_grad_by_freq=True: each example's gradient "
                                   "is scaled by the counts of the whole batch, so it is no per-example gradient")
@@ -264,7 +295,14 @@ class PhantomClipping:
         if not isinstance(out, torch.Tensor) or not out.requires_grad:
             return None
         tensors = [t for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor)]
-        x = args[0] if args else next(iter(kwargs.values()))
+        if not tensors:
+            if self._how[module] == "host":
+                return None  # nothing of its own to read: its sublayers' calls are recorded (or refused) on their own
+            raise Unsupported(f"layer {self._names[module] or '(the model)'} was called with no tensor argument, so its "
+                              "output does not come from the batch's examples: every example shares it, and its "
+                              "gradient is the examples' sum, not one example's; call it on a batch-first input (the "
+                              "indices it reads, expanded over the batch) or freeze its parameters (requires_grad=False)")
+        x = args[0] if args and isinstance(args[0], torch.Tensor) else tensors[0]
         if fn == "autograd":
             fn = _ByAutograd(args, kwargs, which, self._reads[module])
             x = next((t for t in tensors if t.dim() and t.shape[0] == out.shape[0]), x)  # the batch-first input
@@ -541,10 +579,13 @@ class PhantomClipping:
         if now != set(self.params):  # unfrozen, frozen, resized or re-tied since the engine was made
             raise Unsupported("the model's trainable parameters changed since the engine was made (a layer "
                               "unfrozen or frozen, an embedding resized or re-tied): make a new PhantomClipping")
+        self._refuse_unseen()
         self._calls, self._flat, self._active, self._hint = [], {}, True, _batch_size(batch)
+        torch.Tensor.register_hook = _refuse_gradient_hook
         try:
             losses = loss_fn(self.model, batch)
         finally:
+            torch.Tensor.register_hook = _REGISTER_HOOK
             self._active = False
             while self._modes:  # a forward pass that raised inside a subclassed layer
                 self._modes.pop()[1].__exit__(None, None, None)
@@ -558,6 +599,60 @@ class PhantomClipping:
                               "losses: a layer called on a batch of one was expanded over the wrong number of "
                               "examples; put a batch-first tensor of the examples first in the batch")
         return losses
+
+    def _refuse_unseen(self) -> None:
+        """Before each forward pass: what would change a layer's call, or the gradients, where the engine cannot
+        see it. A BatchNorm on the batch's statistics (training mode, or no running statistics) mixes the
+        examples; a global forward hook runs before the engine records a call, and so does a layer's hook put
+        before the engine's (``prepend=True``); a ``forward`` set on an instance of a type whose registered
+        function assumes the type's own; module backward hooks and a trainable parameter's gradient hooks rewrite
+        gradients. Forward pre-hooks change a call's input, which is recorded as the layer received it, and a
+        layer's forward hooks after the engine's act on its output outside the call (as graph the guard walks)."""
+        for module in self._statistics:
+            if module.training or module.running_mean is None:
+                held = [f"{self._names[module]}.{k}" if self._names[module] else k
+                        for k, p in module.named_parameters(recurse=False) if p.requires_grad]
+                kind = f"{type(module).__module__}.{type(module).__qualname__}"
+                raise Unsupported(f"layer {self._names[module] or '(the model)'} ({kind}) mixes the examples of a batch: "
+                                  "it normalises each example by the batch's statistics (training mode"
+                                  f"{'' if module.track_running_stats else ', no running statistics'}), so one "
+                                  "example's loss depends on every other example and no per-example gradient bounds "
+                                  f"its effect{f' (it holds the trainable {held})' if held else ''}; put it in eval "
+                                  "mode with running statistics (layer.eval()) or use a per-example normalisation "
+                                  "(LayerNorm, GroupNorm)")
+        for hooks, kind in ((torch_module._global_forward_hooks, "forward hook"),
+                            (torch_module._global_backward_hooks, "backward hook"),
+                            (torch_module._global_backward_pre_hooks, "backward pre-hook")):
+            if hooks:
+                raise Unsupported(f"a global module {kind} is registered ({_name_of(next(iter(hooks.values())))}, "
+                                  f"torch.nn.modules.module.register_module_{kind.replace(' ', '_')}): it runs on every "
+                                  "layer's call before the engine records it, or rewrites the gradients the engine reads; "
+                                  "remove it while training with the engine")
+        for module, first in self._first.items():
+            hooks = module._forward_hooks
+            if next(iter(hooks), None) != first:
+                raise Unsupported(f"layer {self._names[module] or '(the model)'} has a forward hook "
+                                  f"({_name_of(hooks[next(iter(hooks))])}) that runs before the engine records the "
+                                  "call (registered with prepend=True after the engine was made): its change of the "
+                                  "output would be read as the layer's own; register it without prepend=True")
+        for module in self._registered:
+            if "forward" in vars(module):
+                raise Unsupported(f"layer {self._names[module] or '(the model)'} ({type(module).__name__}) has a forward "
+                                  f"set on the instance ({_name_of(vars(module)['forward'])}), and the function "
+                                  f"registered for {type(module).__name__} assumes the type's own forward; subclass it "
+                                  "instead (a subclass of nn.Linear or nn.Embedding is read at its F.linear or "
+                                  "F.embedding call), or register a function for a type of your own")
+        for module, name in self._names.items():
+            if module._backward_hooks or module._backward_pre_hooks:
+                hook = next(iter({**module._backward_pre_hooks, **module._backward_hooks}.values()))
+                raise Unsupported(f"module {name or '(the model)'} has a backward hook ({_name_of(hook)}, "
+                                  "register_full_backward_hook): it may rewrite the gradients the engine reads and sums; "
+                                  "remove it while training with the engine")
+        for name, p in self.params.values():
+            if p._backward_hooks or getattr(p, "_post_accumulate_grad_hooks", None):
+                raise Unsupported(f"parameter {name} has a gradient hook (register_hook or "
+                                  "register_post_accumulate_grad_hook): it would rewrite the clipped sum (or be skipped, "
+                                  "when the sum is formed by book-keeping); remove it while training with the engine")
 
     def _rng_states(self) -> tuple:
         """The random states a forward pass draws from (the CPU's and each CUDA device's of the

@@ -25,6 +25,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.utils.stateless import _reparametrize_module  # what torch.func.functional_call reparametrises with
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
@@ -103,6 +104,15 @@ def rounding(dtype: torch.dtype, terms: int) -> float:
     return 16 * torch.finfo(dtype).eps * math.sqrt(max(1, terms))
 
 
+def bare_call(layer: nn.Module, params: dict, args: tuple, kwargs: dict):
+    """The layer's own forward on ``params`` (by name), without the layer's hooks: the engine records a
+    call before any forward hook of the layer runs (and its arguments after its pre-hooks), so a hook's
+    effect is outside the call, walked as graph; ``torch.func.functional_call`` would run the hooks again.
+    The hooks of the layers inside it run, as they did in the step's forward pass."""
+    with _reparametrize_module(layer, params, tie_weights=True):  # as functional_call: a tied name moves all
+        return layer.forward(*args, **kwargs)
+
+
 def per_example(layer: nn.Module, args: tuple, kwargs: dict, g: torch.Tensor, n: int, which: int | None,
                 names: list[str]):
     """[(parameter, Direct (n, P, Q))] for each parameter of ``names``, relative to the layer (its own
@@ -116,7 +126,7 @@ def per_example(layer: nn.Module, args: tuple, kwargs: dict, g: torch.Tensor, n:
     materialised (n times their size): exact, and as costly as Opacus's per-example gradients for
     that layer. Checked: the examples' gradients add up to the batch's (a layer that mixes the
     examples has no per-example gradient)."""
-    from torch.func import functional_call, vjp, vmap
+    from torch.func import vjp, vmap
 
     params = [layer.get_parameter(k) for k in names]
     values = tuple(p.detach() for p in params)
@@ -130,7 +140,7 @@ def per_example(layer: nn.Module, args: tuple, kwargs: dict, g: torch.Tensor, n:
         a, k = tree_unflatten(list(inputs), spec)
 
         def forward(*v):
-            out = functional_call(layer, dict(zip(names, v)), a, k)
+            out = bare_call(layer, dict(zip(names, v)), a, k)
             return out if which is None else out[which]
 
         _, back = vjp(forward, *params)
@@ -140,7 +150,7 @@ def per_example(layer: nn.Module, args: tuple, kwargs: dict, g: torch.Tensor, n:
         a, k = tree_unflatten(list(inputs), spec)
         leaves = [v.clone().requires_grad_(True) for v in values]
         with torch.enable_grad():
-            out = functional_call(layer, dict(zip(names, leaves)), a, k)
+            out = bare_call(layer, dict(zip(names, leaves)), a, k)
             out = out if which is None else out[which]
             found = torch.autograd.grad(out, leaves, grad, allow_unused=True)
         return tuple(torch.zeros_like(v) if f is None else f for v, f in zip(values, found))

@@ -18,7 +18,10 @@ It runs between the forward pass and the gradient pass of every step (``step`` a
 ``per_example_norms``), before any ``p.grad`` is written, and costs one visit of each graph node
 (``python -m benchmarks.clipping`` prints its share of a step). What it trusts: each registered layer
 function is right for its layer type (``check="brute"`` tests that against one backward pass per
-example), and a hook on a gradient (``tensor.register_hook``) does not rewrite the gradients it sees.
+example). Hooks are the engine's to refuse (``PhantomClipping._refuse_unseen``): a gradient hook registered
+during the forward pass, a layer's forward hook ahead of the engine's, global and backward module hooks.
+Two operations are refused wherever they are met (``_hidden``): a batch normalisation on the batch's
+statistics, and reentrant checkpointing.
 """
 
 from __future__ import annotations
@@ -97,6 +100,9 @@ def prove(root: tuple, calls: list[Call], params: dict, holders: dict, hints: di
         seen.add(key)
         if inside is None:
             parent.setdefault(node, up)
+        unseen = _hidden(node)
+        if unseen:
+            raise Unsupported(unseen)
         variable = getattr(node, "variable", None)  # a gradient accumulator: a leaf tensor
         if variable is not None:
             pid = id(variable)
@@ -105,6 +111,25 @@ def prove(root: tuple, calls: list[Call], params: dict, holders: dict, hints: di
                                None if inside is None else calls[inside].name, (hints or {}).get(pid, ""))
             continue
         stack.extend((e, inside, node) for e in node.next_functions if e[0] is not None)
+
+
+def _hidden(node) -> str | None:
+    """What a node does that no recorded call can account for, whatever the path: a batch normalisation on
+    the batch's statistics (``F.batch_norm(..., training=True)``: each example's value depends on every
+    other example's), and reentrant activation checkpointing (``checkpoint(..., use_reentrant=True)``),
+    whose forward runs without a graph, so that the layers inside it are neither recorded nor walked."""
+    op = operation(node)
+    if "batchnorm" in op and "notraining" not in op and getattr(node, "_saved_training", True):
+        return (f"a batch normalisation in training mode (`{op}`, batch statistics) is on a path from the losses: "
+                "each example's value depends on every other example of the batch, so no per-example gradient "
+                "bounds one example's effect; normalise per example (layer_norm, group_norm) or use running "
+                "statistics (training=False)")
+    if op == "checkpointfunction":
+        return ("reentrant activation checkpointing (torch.utils.checkpoint with use_reentrant=True) runs its forward "
+                "without a graph: the layers inside it are neither recorded nor seen by the guard; use "
+                "use_reentrant=False (Hugging Face: gradient_checkpointing_enable(gradient_checkpointing_kwargs="
+                "{'use_reentrant': False}))")
+    return None
 
 
 def _refusal(name: str, holders: list[str], up, parent: dict, inside: str | None, hint: str = "") -> Exception:
