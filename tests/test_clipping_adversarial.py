@@ -15,17 +15,9 @@ from torch.nn.utils import parametrizations
 from torch.utils.checkpoint import checkpoint
 
 from pipeline.clipping import PhantomClipping, Unsupported, coefficients
-from test_clipping import brute_force, norms_of
+from test_clipping import _float64, brute_force, norms_of  # noqa: F401 (_float64: this module in float64 too)
 
 C = 1.0
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _float64():
-    before = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float64)
-    yield
-    torch.set_default_dtype(before)
 
 
 def exact(model, loss_fn, batch, steps: int = 2, **engine):
@@ -278,7 +270,7 @@ def test_a_functional_batch_norm_on_batch_statistics_is_refused_by_the_guard():
             return self.out(F.batch_norm(self.fc(x), None, None, training=True))
 
     torch.manual_seed(0)
-    refused(Model(), square, x_batch(), r"a batch normalisation in training mode")
+    refused(Model(), square, x_batch(), r"BatchNorm in training mode|batch normalisation in training mode")
 
 
 def test_per_example_normalisations_and_eval_mode_batch_norm_are_exact():
@@ -320,3 +312,260 @@ def test_reentrant_checkpointing_is_refused_and_the_non_reentrant_kind_is_exact(
     refused(Model(True), square, x_batch(), r"reentrant activation checkpointing")
     torch.manual_seed(0)
     exact(Model(False), square, x_batch())
+
+
+# --- where the examples are: from the batch's provenance, not from shapes -------------------------------
+
+class NanoGPT(nn.Module):
+    """nanoGPT's GPT as written (one block, no attention, to stay small): ``wpe(torch.arange(t))`` shared
+    by every example, and the tied ``lm_head``."""
+
+    def __init__(self, V=13, T=6, d=8):
+        super().__init__()
+        self.wte, self.wpe = nn.Embedding(V, d), nn.Embedding(T, d)
+        self.drop, self.ln, self.fc, self.ln_f = nn.Dropout(0.0), nn.LayerNorm(d), nn.Linear(d, d), nn.LayerNorm(d)
+        self.lm_head = nn.Linear(d, V, bias=False)
+        self.wte.weight = self.lm_head.weight
+
+    def forward(self, idx):
+        b, t = idx.size()
+        pos = torch.arange(0, t, dtype=torch.long, device=idx.device)
+        x = self.drop(self.wte(idx) + self.wpe(pos))
+        x = x + torch.tanh(self.fc(self.ln(x)))
+        return self.lm_head(self.ln_f(x))
+
+
+def lm_losses(m, b):
+    logits = m(b[:, :-1])
+    return F.cross_entropy(logits.transpose(1, 2), b[:, 1:], reduction="none").sum(1)
+
+
+def tokens(n, T=6, V=13, seed=0):
+    return torch.randint(0, V, (n, T + 1), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("positions_only", [False, True])
+def test_nanogpt_as_written_is_exact_at_every_batch_size(positions_only):
+    """n = T (6 examples of 6 positions: 1.005 C, 1.14 C with only the positions trainable, before the
+    provenance), n = 1 (refused before) and others, on one engine and on fresh ones: exact."""
+    torch.manual_seed(0)
+    model = NanoGPT()
+    if positions_only:
+        for name, p in model.named_parameters():
+            p.requires_grad_(name == "wpe.weight")
+    run = PhantomClipping(model, C=C)
+    for n in (6, 1, 3, 6, 8):
+        batch = tokens(n, seed=n)
+        _, grads = brute_force(model, lm_losses, batch)
+        _, norms = run.step(lm_losses, batch)
+        torch.testing.assert_close(norms, norms_of(grads), rtol=1e-10, atol=1e-12)
+        exact(model, lm_losses, batch, steps=1)
+
+
+def test_hugging_face_gpt2_given_one_dimensional_positions_is_exact_when_n_equals_T():
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GPT2Config(vocab_size=17, n_positions=8, n_embd=8, n_layer=1, n_head=2, resid_pdrop=0.0,
+                                     embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(config).double()
+
+    def losses(m, b):
+        logits = m(input_ids=b[:, :-1], position_ids=torch.arange(b.shape[1] - 1)).logits
+        return F.cross_entropy(logits.transpose(1, 2), b[:, 1:], reduction="none").sum(1)
+
+    exact(model, losses, torch.randint(0, 17, (5, 6), generator=torch.Generator().manual_seed(1)), steps=1)
+
+
+def test_a_time_major_model_on_batch_first_data_is_exact_when_n_equals_T():
+    """word_language_model's layout: (T, n) ids, a time-major GRU and a decoder on (T, n, d); fed
+    batch-first data transposed, at n = T (1.06 C before)."""
+
+    class TimeMajor(nn.Module):
+        def __init__(self, V=11, d=6):
+            super().__init__()
+            self.emb, self.rnn, self.dec = nn.Embedding(V, d), nn.GRU(d, d), nn.Linear(d, V)
+
+        def forward(self, ids):  # (n, T) batch first
+            h, _ = self.rnn(self.emb(ids.t()))  # (T, n, d)
+            return self.dec(h).transpose(0, 1)  # (n, T, V)
+
+    torch.manual_seed(0)
+    exact(TimeMajor(), lm_losses, torch.randint(0, 11, (5, 6), generator=torch.Generator().manual_seed(2)))
+
+
+def test_flattened_ids_and_a_step_id_lookup_are_left_as_written():
+    """A bag of words on ``emb(ids.reshape(-1))`` (it became (n, n T, d) and crashed the user's code), and
+    a step-id embedding ``step(torch.tensor([s]))[:, None, :]`` added to every example: exact."""
+
+    class Bag(nn.Module):
+        def __init__(self, V=11, d=5):
+            super().__init__()
+            self.emb, self.step, self.out = nn.Embedding(V, d), nn.Embedding(4, d), nn.Linear(d, 1)
+
+        def forward(self, ids):
+            n, T = ids.shape
+            h = self.emb(ids.reshape(-1)).view(n, T, -1)
+            h = h + self.step(torch.tensor([2]))[:, None, :]
+            return self.out(torch.tanh(h)).squeeze(-1).pow(2).sum(1)
+
+    torch.manual_seed(0)
+    exact(Bag(), lambda m, b: m(b), torch.randint(0, 11, (4, 4), generator=torch.Generator().manual_seed(3)))
+
+
+def test_a_shared_output_whose_expansion_would_change_the_model_is_refused():
+    """``wpe(pos[None]).sum(0)``: expanding the positions' output over the batch would change the sum;
+    refused (it changed the forward pass itself before)."""
+
+    class Summed(NanoGPT):
+        def forward(self, idx):
+            pos = torch.arange(idx.shape[1])
+            return self.lm_head(self.ln_f(self.wte(idx) + self.wpe(pos[None]).sum(0)))
+
+    torch.manual_seed(0)
+    refused(Summed(), lm_losses, tokens(3), r"the output of wpe, which every example shares .* `aten\.sum")
+
+
+def mixing(kind):
+    """A model whose losses mix the examples, as users write them."""
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc, self.out = nn.Linear(4, 5), nn.Linear(5, 3)
+
+        def forward(self, x):
+            h = torch.tanh(self.fc(x))
+            if kind == "centred":
+                return self.out(h - h.mean(0)).pow(2).sum(-1)
+            if kind == "infonce":  # in-batch negatives
+                z = F.normalize(self.out(h), dim=-1)
+                logits = z @ z.t() / 0.1
+                return F.cross_entropy(logits, torch.arange(x.shape[0]), reduction="none")
+            ce = self.out(h).pow(2).sum(-1)
+            if kind == "reads the others":
+                return ce * ce.mean()
+            if kind == "mean over the batch":
+                return ce.mean().expand(x.shape[0])
+            raise AssertionError(kind)
+
+    torch.manual_seed(0)
+    return Model()
+
+
+@pytest.mark.parametrize("kind, op", [("centred", "aten.mean over the examples"), ("infonce", "aten.mm pairing"),
+                                      ("reads the others", "aten.mean over the examples"),
+                                      ("mean over the batch", "aten.mean over the examples")])
+def test_losses_that_mix_the_examples_are_refused_naming_the_operation(kind, op):
+    """Batch-mean centring (1.21 C), InfoNCE with in-batch negatives (1.39 C), ``ce * ce.mean()`` (1.22 C):
+    each refused on the step, naming the operation that mixed the examples."""
+    refused(mixing(kind), lambda m, b: m(b), x_batch(), rf"mix(es)? the examples of the batch \({op}")
+
+
+def test_a_buffer_updated_from_the_examples_is_refused():
+    """A running statistic written from the batch carries the examples out of the step, past the clipping."""
+
+    class Running(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(4, 1)
+            self.register_buffer("seen", torch.zeros(4))
+
+        def forward(self, x):
+            self.seen.mul_(0.9).add_(0.1 * x.detach().mean(0))
+            return self.fc(x).squeeze(-1) ** 2
+
+    torch.manual_seed(0)
+    refused(Running(), lambda m, b: m(b), x_batch(), r"writes the examples' data into a parameter or buffer")
+
+
+def test_dpsgd_on_nanogpt_as_written_does_not_depend_on_the_micro_batches():
+    """``DPSGD`` over Poisson steps that include n = T (and, in micro-batches of 1 and 3, chunks of one
+    example): the same parameters whatever ``max_physical_batch`` (refused mid-run, or 6.8e-5 apart,
+    before the provenance)."""
+    from pipeline.dpsgd import DPSGD
+
+    data = tokens(48, seed=7)
+    sizes = []
+
+    def losses(m, b):
+        sizes.append(b.shape[0])
+        return lm_losses(m, b)
+
+    ends = []
+    for chunk in (None, 1, 3):
+        torch.manual_seed(0)
+        model = NanoGPT()
+        sizes.clear()
+        DPSGD(model, data, losses, eps=8.0, delta=1e-5, batch_size=6, epochs=1, lr=0.05,
+              max_physical_batch=chunk, seed=4).fit()
+        if chunk is None:
+            assert 6 in sizes and 1 in sizes, sizes  # steps of as many examples as positions, and of one
+        ends.append([p.detach().clone() for p in model.parameters()])
+    for other in ends[1:]:
+        for a, b in zip(ends[0], other):
+            torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-12)
+
+
+@pytest.mark.parametrize("write, outcome", [("mean", "refused"), ("rows", "exact")])
+def test_the_examples_written_into_a_buffer_through_a_view_are_followed(write, outcome):
+    """A batch statistic hidden in a public buffer by an in-place write through a view (``buf[:, :2] =
+    h.mean(0)[:2]``) is refused; each example's own rows written there (``buf[:, :2] = h[:, :2]``) are exact."""
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc, self.out = nn.Linear(4, 5), nn.Linear(5, 1)
+
+        def forward(self, x):
+            h = torch.tanh(self.fc(x))
+            buf = torch.zeros(x.shape[0], 5)
+            buf[:, :2] = h.mean(0)[:2] if write == "mean" else h[:, :2]
+            return self.out(h + buf).squeeze(-1) ** 2
+
+    torch.manual_seed(0)
+    if outcome == "refused":
+        refused(Model(), lambda m, b: m(b), x_batch(), r"mix(es)? the examples of the batch \(aten\.mean over")
+    else:
+        exact(Model(), lambda m, b: m(b), x_batch())
+
+
+def test_tokens_routed_to_experts_and_back_are_followed_row_by_row():
+    """A mixture of experts written as Hugging Face writes it (``one_hot`` of the router's choices, a loop
+    over the experts the batch hit, ``hidden[token_idx]``, ``index_add_`` back): which experts run depends
+    on the whole batch (control, as a host read is), each token's result on its own data only: exact. Rows
+    added back into another example's place are refused."""
+
+    class Experts(nn.Module):
+        def __init__(self, E=3, d=4, swap=False):
+            super().__init__()
+            self.w = nn.Parameter(torch.randn(E, d, d) * 0.5)
+            self.E, self.swap = E, swap
+
+        def forward(self, h, top):  # h (N, d), top (N, 1)
+            out = torch.zeros_like(h)
+            mask = F.one_hot(top, num_classes=self.E).permute(2, 1, 0)
+            hit = torch.greater(mask.sum(dim=(-1, -2)), 0).nonzero()
+            for e in hit:
+                e = e[0]
+                pos, token = torch.where(mask[e])
+                rows = torch.tanh(h[token] @ self.w[e])
+                out.index_add_(0, token.flip(0) if self.swap else token, rows)
+            return out
+
+    class MoE(nn.Module):
+        def __init__(self, swap=False):
+            super().__init__()
+            self.inp, self.router, self.experts, self.out = nn.Linear(3, 4), nn.Linear(4, 3), Experts(swap=swap), \
+                nn.Linear(4, 1)
+
+        def forward(self, x):  # (n, T, 3)
+            n, T, _ = x.shape
+            h = self.inp(x).reshape(n * T, 4)
+            top = self.router(h).argmax(-1, keepdim=True)
+            return self.out(self.experts(h, top).reshape(n, T, 4)).squeeze(-1).pow(2).sum(1)
+
+    x = torch.randn(5, 3, 3, generator=torch.Generator().manual_seed(4))
+    torch.manual_seed(0)
+    exact(MoE(), lambda m, b: m(b), x)
+    torch.manual_seed(0)
+    refused(MoE(swap=True), lambda m, b: m(b), x, r"the output of experts mixes the examples of the batch")

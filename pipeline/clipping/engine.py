@@ -23,14 +23,19 @@ guard (``guard.py``) proves from the step's autograd graph, before any gradient 
 path from the losses to a trainable parameter passes through a recorded call of a layer holding it:
 a parameter also used elsewhere (``F.linear(h, self.wte.weight)``, a penalty on it, a use on a few
 examples or steps only) is refused on the step it appears, naming the parameter and the operation.
-At construction: a layer that mixes the examples of a batch (BatchNorm) or scales an embedding's
-gradient by the batch's counts. Layers without a registered function are read exactly all the same
-(``functional.py``): subclasses of ``nn.Embedding`` and ``nn.Linear`` at their base's functional
-call, every other layer by ``torch.func`` (its per-example gradients materialised: register a
-function for a large matrix), each checked to add up to the batch's gradient. A layer called on a batch of one broadcast over the examples (Hugging Face's default
-(1, T) position ids) has its output expanded over the batch in the forward pass, so that each
-example's output gradient exists; rows flattened from a batch-first tensor ((n T, d), OPT's
-feed-forward) are mapped back to their examples. A parameter held by a layer and by a module around
+Every forward pass of more than one example runs under the step's provenance (``provenance.py``):
+which dimension of every tensor holds the examples, followed from the batch through every ATen
+operation; losses, or a layer's input or output, that mix the examples (a batch mean, BatchNorm on
+batch statistics, in-batch negatives) are refused on the step, and each call's rows are read as the
+examples they belong to (time-major and flattened calls included), never by a shape coincidence. A
+layer called on no example's data (positions) is read expanded over the batch or row by row, as the
+provenance proves right. Before each forward pass (``_refuse_unseen``): hooks that would act before
+the engine records a call or rewrite gradients, a BatchNorm on batch statistics. At construction: an
+embedding whose gradient is scaled by the batch's counts, a parametrized layer. Layers without a
+registered function are read exactly all the same (``functional.py``): subclasses of
+``nn.Embedding`` and ``nn.Linear`` at their base's functional call, every other layer by
+``torch.func`` (its per-example gradients materialised: register a function for a large matrix),
+each checked to add up to the batch's gradient. A parameter held by a layer and by a module around
 it (BERT's prediction head's ``bias``, its decoder's too) is counted once, at the layer. A layer's
 output gradient is read at the layer's autograd edge (its base's, for an output that is a whole view
 of a product), not at its output tensor: the engine holds no output (a language model's logits)
@@ -50,12 +55,14 @@ import numpy as np
 import torch
 from torch import nn
 from torch.autograd.graph import get_gradient_edge
+from torch.utils._pytree import tree_flatten
 from torch.nn.modules import module as torch_module  # torch's global module hooks
 from torch.nn.utils import parametrize
 
 from pipeline.clipping import functional, guard
 from pipeline.clipping.guard import Unsupported
 from pipeline.clipping.layers import lookup
+from pipeline.clipping.provenance import Layout, Mixed, Positions, Provenance, Refusal, Retry, Rows, Shared
 from pipeline.clipping.uses import Stack, Use, inner, merged, stack_key
 
 RULES = ("classic", "automatic")
@@ -63,7 +70,6 @@ CHECKS = ("guard", "brute")
 SUM_BY = ("bookkeeping", "backward")
 FORMS = ("auto", "gram", "direct")
 BATCH_STATISTICS = nn.modules.batchnorm._BatchNorm  # in training mode (or without running statistics): examples mix
-FLAT_DEPTH = 8  # graph nodes walked back from a layer's (n T, d) input to the batch-first tensor it was flattened from
 
 
 def coefficients(norms: torch.Tensor, *, C: float, rule: str = "classic", gamma: float = 0.01) -> torch.Tensor:
@@ -107,11 +113,14 @@ def _pair(edge) -> tuple:
 
 
 def _batch_size(batch: Any) -> int | None:
-    """The leading size of the first tensor in the batch (any nesting of tuples, lists and dicts): the
-    number of examples, by the engine's batch-first contract."""
+    """The leading size of the first tensor in the batch (any nesting of tuples, lists and mappings: a dict,
+    Hugging Face's BatchEncoding): the number of examples, by the engine's batch-first contract."""
     if isinstance(batch, torch.Tensor):
         return batch.shape[0] if batch.dim() else None
-    items = batch.values() if isinstance(batch, dict) else batch if isinstance(batch, (list, tuple)) else ()
+    if isinstance(batch, dict) or hasattr(batch, "keys") and hasattr(batch, "__getitem__"):
+        items = [batch[k] for k in batch.keys()]
+    else:
+        items = batch if isinstance(batch, (list, tuple)) else ()
     for item in items:
         found = _batch_size(item)
         if found is not None:
@@ -138,38 +147,84 @@ def _refuse_gradient_hook(tensor: torch.Tensor, hook: Callable):
                       "engine")
 
 
+def _examples_apart(value) -> None:
+    """Refuse losses that are not one per example, each from its own example's data (their provenance)."""
+    if value == Layout(0):
+        return
+    if isinstance(value, Mixed):
+        raise Unsupported(f"the losses mix the examples of the batch ({value.why}): each example's loss must depend "
+                          "on that example's data only, or removing one example changes the others' gradients and no "
+                          "per-example clipping bounds its effect (batch statistics, in-batch negatives, a loss that "
+                          "reads the other losses); compute each loss from its own example")
+    raise Unsupported("the losses do not follow the batch's examples "
+                      f"({'they come from no example' if value is None else value}): loss_fn must return one loss "
+                      "per example, computed from that example's data, in the batch's order")
+
+
+def _layout_of(track: Provenance, t):
+    """A tensor argument's layout for torch.func's reading (None: shared by the examples, or no tensor)."""
+    value = track.get(t) if isinstance(t, torch.Tensor) else None
+    return value if isinstance(value, Layout) else None
+
+
+def _front(t: torch.Tensor, layout, n: int) -> torch.Tensor:
+    """``t`` with its examples first, (n, ...): the dimension that holds them split into (outer, n, inner)
+    and n moved to the front (a view for a batch-first tensor and for rows flattened batch-first). The
+    other dimensions keep their order, so an input and its output gradient moved alike still pair row
+    with row."""
+    if layout is None:
+        return t
+    if isinstance(layout, Rows):  # routed rows: each example's rows gathered, zero rows after (they add nothing)
+        rows = layout.ids.repeat_interleave(layout.inner).to(t.device)
+        order = torch.argsort(rows, stable=True)
+        counts = torch.bincount(rows, minlength=n)
+        slot = torch.arange(rows.numel(), device=t.device) - (torch.cumsum(counts, 0) - counts)[rows[order]]
+        out = t.new_zeros(n, max(int(counts.max()), 1) if rows.numel() else 1, *t.shape[1:])
+        out[rows[order], slot] = t[order]
+        return out
+    b, outer, inner = layout
+    if (b, outer) == (0, 1):
+        return t.reshape(n, inner, *t.shape[1:]) if inner != 1 else t
+    return t.reshape(*t.shape[:b], outer, n, inner, *t.shape[b + 1:]).movedim(b + 1, 0)
+
+
 class _ByAutograd:
     """The reading of one call of a layer without a registered function (``functional.per_example``):
     the call's arguments, detached, the element of a tuple output recorded, and the names of the
     parameters to read, relative to the layer (``PhantomClipping._reads``; ``_adopt`` adds those of
     sublayers its forward uses directly)."""
 
-    def __init__(self, args: tuple, kwargs: dict, which: int | None, names: list[str]):
+    def __init__(self, args: tuple, kwargs: dict, which: int | None, names: list[str], labels=None):
         self.args = tuple(a.detach() if isinstance(a, torch.Tensor) else a for a in args)
         self.kwargs = {k: v.detach() if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
         self.which, self.names = which, names
+        self.layouts = None  # where the examples are in each tensor of (args, kwargs), flattened (more than one example)
+        if labels is not None:
+            self.layouts = [labels(t) for t in tree_flatten((args, kwargs))[0]]
 
-    def __call__(self, layer, x, g, n):
+    def __call__(self, layer, x, g, n, g_layout=None):
         if not self.names:  # a host that adopted nothing: nothing to read
             return []
-        return functional.per_example(layer, self.args, self.kwargs, g, n, self.which, self.names)
+        return functional.per_example(layer, self.args, self.kwargs, g, n, self.which, self.names,
+                                      self.layouts, g_layout)
 
 
 @dataclass
 class _Call:
     """One recorded call: its layer and the function that reads it, its input, the edge its output's
     gradient is read at, the output's (shape, dtype), the version counters that show an in-place change
-    after the call, the leading size of the batch-first tensor its rows were flattened from (if they
-    were), and what the guard needs (``guard.Call``)."""
+    after the call, where the examples are in its input and output (``provenance.Layout``; None when the
+    step has one example), the shape of an output every example shares (expanded over the batch), and what
+    the guard needs (``guard.Call``)."""
     module: nn.Module
     fn: Callable
     x: torch.Tensor
     edge: Any
     meta: tuple
     versions: tuple
-    lead: int | None
+    layouts: tuple
     proof: guard.Call
-    broadcast: bool = False
+    shared: tuple | None = None
 
 
 class PhantomClipping:
@@ -199,7 +254,12 @@ class PhantomClipping:
         self._hints = {id(p): self._subclass_hint(m) for m, how in self._how.items() if how == "capture"
                        for p in self.layers[m]}
         self._calls: list[_Call] = []
-        self._flat: dict = {}  # this forward pass: recorded output edges of calls on flattened rows -> leading size
+        self._provenance: Provenance | None = None  # this forward pass's record of where the examples are
+        self._losses_label: Any = None  # where the examples are in this forward pass's losses
+        self._reading: dict = {}  # (layer, k-th call) on no example's data -> "rows" or "expand", as last proved right
+        self._count: dict = {}  # this forward pass: calls per layer so far
+        self._now: dict = {}  # this forward pass: the reading of each call on no example's data
+        self._rows_possible: dict = {}  # ... and whether reading it row by row is possible at all
         self._active = False
         self._hint: int | None = None  # this forward pass's number of examples, from the batch
         self._modes: list = []
@@ -304,8 +364,11 @@ class PhantomClipping:
                               "indices it reads, expanded over the batch) or freeze its parameters (requires_grad=False)")
         x = args[0] if args and isinstance(args[0], torch.Tensor) else tensors[0]
         if fn == "autograd":
-            fn = _ByAutograd(args, kwargs, which, self._reads[module])
-            x = next((t for t in tensors if t.dim() and t.shape[0] == out.shape[0]), x)  # the batch-first input
+            track = self._provenance
+            labels = None if track is None else (lambda t: _layout_of(track, t))
+            fn = _ByAutograd(args, kwargs, which, self._reads[module], labels)
+            if track is not None:  # the input that carries the examples
+                x = next((t for t in tensors if isinstance(track.get(t), Layout)), x)
         noted = self._note(module, x, out, fn, tensors)
         if noted is out:
             return None
@@ -322,8 +385,16 @@ class PhantomClipping:
             self._modes.pop()[1].__exit__(None, None, None)
 
     def _note(self, module, x: torch.Tensor, output: torch.Tensor, fn: Callable, tensors: list) -> torch.Tensor:
-        """Record one call; return the output the model goes on with (expanded over the batch where
-        the call ran on a batch of one broadcast over the examples).
+        """Record one call; return the output the model goes on with (expanded over the batch where the
+        call ran on no example's data).
+
+        Where the examples are in the call's input and output is read from the step's provenance
+        (``provenance.py``): from how each tensor was computed from the batch, never from its shape. An
+        output that mixes the examples, or an input that does, is refused here. A call on no example's data
+        (positions ``wpe(torch.arange(T))``, a (1, T) table) makes an output that every example shares:
+        it is expanded over the batch (a leading size 1 to n, or a new leading dimension of n), so that
+        each example's output gradient exists, and labelled ``Shared``: the provenance refuses any use of
+        it but an elementwise one whose result the expansion does not change (``h + wpe(pos)``).
 
         The output is kept as its gradient edge (the autograd node that made it), not as a tensor: the
         gradient is asked for at that edge, so the output's memory (a language model's logits, B x T x V)
@@ -334,22 +405,59 @@ class PhantomClipping:
         own node (autograd's CopySlices), to the base's. A partial view is held, with its version counter,
         and refused if changed in place. The input's version counter: an in-place change of the input after
         the call would make the values read other than the ones the layer used."""
-        broadcast = False
-        n = self._hint
-        if (n is not None and n > 1 and output.dim() >= 2 and x.dim() == 1 and x.shape[0] != n
-                and not x.is_floating_point() and not x.requires_grad):
-            # one row of T indices with no batch dimension at all (positions, (T,) -> (T, d)): a batch of one
-            output, x = output.unsqueeze(0), x.unsqueeze(0)
-        if (n is not None and n > 1 and output.dim() and output.shape[0] == 1 and x.dim() and x.shape[0] == 1
-                and not x.requires_grad):
-            # a (1, T) row of constants (position ids) whose output is broadcast over the batch: expanded here,
-            # every example reads its own copy, and the gradient at the expansion is per example (at the layer's
-            # own output it is their sum). Broadcasting ops give the same values on the copies; a model that
-            # reduced the (1, ...) output without broadcasting it against the batch would now reduce n copies.
-            # An input with a gradient (a slice h[:1] of the batch) is not expanded, and refused after the pass.
-            output, x, broadcast = output.expand(n, *output.shape[1:]), x.expand(n, *x.shape[1:]), True
+        name = self._names.get(module) or "(the model)"
+        track, shared = self._provenance, None
+        layouts = (None, None)
+        if track is not None:
+            xv, ov = track.get(x), track.get(output)
+            for value, which in ((ov, "output"), (xv, "input")):
+                if isinstance(value, Mixed):
+                    track._retry(track.guesses(output if which == "output" else x),
+                                 f"the {which} of {name} mixes the examples ({value.why})")
+                    raise Unsupported(f"the {which} of {name} mixes the examples of the batch ({value.why}): each "
+                                      "example's gradient would depend on the other examples, and no per-example "
+                                      "clipping bounds one example's effect; compute each example's values from its "
+                                      "own data only")
+                if isinstance(value, Shared):
+                    raise track._misused(value, f"layer {name}")
+            if ov is None:
+                if any(track.get(t) is not None for t in tensors):
+                    raise Unsupported(f"the output of {name} does not follow the examples of its input: the engine "
+                                      "cannot tell which example each of its rows belongs to")
+                n = track.n
+                key = (module, self._count.get(module, 0))
+                self._count[module] = key[1] + 1
+                rows = bool(not isinstance(fn, _ByAutograd) and output.dim() and output.shape[0] == n)
+                self._rows_possible[key] = rows
+                reading = self._now[key] = self._reading.get(key, "rows" if rows else "expand")
+                if reading == "rows":
+                    # public rows laid out per example (positions already expanded over the batch, a zero initial
+                    # state): read as batch first, a hypothesis every later operation checks (a contradiction
+                    # raises Retry, and the forward pass runs again with the output expanded instead)
+                    track.label(output, Layout(0), frozenset({key}))
+                    layouts = (Layout(0), Layout(0))
+                else:
+                    shared = tuple(output.shape)
+                    if output.dim() and output.shape[0] == 1 and x.dim() and x.shape[0] == 1:
+                        output, x = output.expand(n, *output.shape[1:]), x.expand(n, *x.shape[1:])
+                    else:
+                        output, x = output.unsqueeze(0).expand(n, *output.shape), x.unsqueeze(0).expand(n, *x.shape)
+                    track.label(output, Shared(Layout(0), shared, name, key))
+                    layouts = (Layout(0), Layout(0))
+            else:
+                if isinstance(fn, _ByAutograd):
+                    if any(isinstance(track.get(t), (Rows, Positions)) for t in tensors) or isinstance(ov, Rows):
+                        raise Unsupported(f"layer {name} has no registered function and was called on rows routed by "
+                                          "the data (a mixture of experts' tokens): the engine reads routed rows only "
+                                          "through registered layers; register a function for it, or freeze it")
+                    xv = xv if isinstance(xv, Layout) else ov
+                elif xv != ov:
+                    raise Unsupported(f"the examples are laid out differently in the input ({xv}) and the output "
+                                      f"({ov}) of {name}, whose registered function reads them row by row; call it "
+                                      "on a tensor laid out as its output")
+                layouts = (xv, ov)
         held, version = None, None
-        base = output._base if output._is_view() and not broadcast else None
+        base = output._base if output._is_view() and shared is None else None
         if base is None:
             edge = get_gradient_edge(output)
         elif _plain_reshape(output, base, x):
@@ -357,48 +465,18 @@ class PhantomClipping:
         else:
             edge, held, version = output, output, output._version
         proof = _pair(edge if held is None else get_gradient_edge(output))
-        lead = None
-        if n is not None and x.dim() and x.shape[0] != n:
-            lead = self._flattened_from(x)
-            if lead is not None:
-                self._flat[proof] = lead
         inputs = frozenset(_pair(get_gradient_edge(t)) for t in tensors if t.requires_grad)
         own = frozenset(id(p) for p in self.layers[module])
         self._calls.append(_Call(module, fn, x.detach(), edge, (output.shape, output.dtype),
-                                 (x._version, held, version), lead,
-                                 guard.Call(self._names.get(module) or "(the model)", proof, inputs, own),
-                                 broadcast))
+                                 (x._version, held, version), layouts, guard.Call(name, proof, inputs, own), shared))
         return output
-
-    def _flattened_from(self, x: torch.Tensor) -> int | None:
-        """The leading size of the batch-first tensor whose rows ``x``'s rows are (OPT's feed-forward runs
-        on ``h.reshape(-1, d)``): ``x`` a whole view of it, or made from it by a chain of one-input
-        operations (a norm, an activation, a layer on flattened rows already found) from such a view."""
-        if x._is_view():
-            base = x._base
-            if base.dim() > x.dim() and base.numel() == x.numel() and x.is_contiguous() and base.is_contiguous():
-                return base.shape[0]
-        node, nr = x.grad_fn, x.output_nr
-        for _ in range(FLAT_DEPTH):
-            if node is None:
-                return None
-            if (node, nr) in self._flat:
-                return self._flat[(node, nr)]
-            sizes = getattr(node, "_saved_self_sym_sizes", None)
-            if sizes is not None and guard.operation(node) in ("view", "unsafeview", "reshapealias"):
-                return int(sizes[0]) if len(sizes) > x.dim() else None
-            nexts = [e for e in node.next_functions if e[0] is not None]
-            if len(nexts) != 1:
-                return None
-            node, nr = nexts[0]
-        return None
 
     # --- the two passes -----------------------------------------------------------------------
 
     def _uses(self, losses: torch.Tensor, keep_graph: bool) -> dict[int, list[Use]]:
         """Every recorded call's uses, by parameter id, from one gradient pass to the layers' outputs,
         once the guard has proved that no other use exists."""
-        calls, self._calls, self._flat = self._calls, [], {}
+        calls, self._calls = self._calls, []
         if not calls:
             raise Unsupported("the loss depends on no layer of the model that holds a trainable parameter")
         names = self._names
@@ -410,29 +488,23 @@ class PhantomClipping:
                                   "(x.mul_(...)): the engine would read other values than the layer used; make that "
                                   "operation out of place")
         n = losses.shape[0]
-        for call in calls:
-            rows = call.meta[0][0] if len(call.meta[0]) else 0
-            if rows == n or (call.lead == n and rows % n == 0):
-                continue
-            if rows == 1:
-                raise Unsupported(f"a call of {call.proof.name} ran on a batch of 1 broadcast over the {n} examples, "
-                                  "and its input was not of batch 1 too, so it could not be expanded per example: "
-                                  "its output's gradient is the examples' sum; give the layer its input with one row "
-                                  "per example")
-            raise Unsupported(f"a call of {call.proof.name} returned shape {tuple(call.meta[0])}, whose first dimension "
-                              f"is not the batch of {n} examples (nor rows flattened from it): its output is shared "
-                              "by the whole batch (a bias table computed once, such as T5's relative-attention bias) "
-                              "or laid out another way, so its gradient mixes the examples; compute it per example, "
-                              "or freeze the layer's parameters (requires_grad=False)")
         self._adopt(calls)
         guard.prove(_pair(get_gradient_edge(losses)), [c.proof for c in calls], self.params, self._holders, self._hints)
+        _examples_apart(self._losses_label)
         grads = torch.autograd.grad(losses.sum(), [c.edge for c in calls], retain_graph=keep_graph, allow_unused=True)
         uses: dict[int, list[Use]] = {}
         given: dict[nn.Module, set[int]] = {}
         for call, g in zip(calls, grads):
             shape, dtype = call.meta
             g = torch.zeros(shape, dtype=dtype, device=call.x.device) if g is None else g.reshape(shape)
-            found = call.fn(call.module, _wide(call.x), _wide(g.detach()), n)
+            x, g = _wide(call.x), _wide(g.detach())
+            x_layout, g_layout = call.layouts
+            if call.shared is not None:  # (n, *the shared output's shape): example i's gradient of it
+                g = g.reshape(n, *call.shared)
+            if isinstance(call.fn, _ByAutograd):
+                found = call.fn(call.module, x, g, n, None if call.shared is not None else g_layout)
+            else:
+                found = call.fn(call.module, _front(x, x_layout, n), _front(g, g_layout, n), n)
             given.setdefault(call.module, set()).update(id(p) for p, _ in found if p is not None)
             for p, use in found:
                 if p is not None and id(p) in self.params:
@@ -580,24 +652,75 @@ class PhantomClipping:
             raise Unsupported("the model's trainable parameters changed since the engine was made (a layer "
                               "unfrozen or frozen, an embedding resized or re-tied): make a new PhantomClipping")
         self._refuse_unseen()
-        self._calls, self._flat, self._active, self._hint = [], {}, True, _batch_size(batch)
-        torch.Tensor.register_hook = _refuse_gradient_hook
-        try:
-            losses = loss_fn(self.model, batch)
-        finally:
-            torch.Tensor.register_hook = _REGISTER_HOOK
-            self._active = False
-            while self._modes:  # a forward pass that raised inside a subclassed layer
-                self._modes.pop()[1].__exit__(None, None, None)
+        n = _batch_size(batch)
+        if n is None:
+            raise Unsupported(f"the batch ({type(batch).__name__}) holds no tensor the engine can find: give the "
+                              "examples as a tensor, or a tuple, list or dict of tensors, batch first")
+        tried: dict = {}  # call -> the readings tried on this step
+
+        def may_retry(key) -> bool:  # the other reading of a call on no example's data is still untried
+            return len(tried.setdefault(key, {self._now[key]})) < 2 and (
+                self._now[key] == "rows" or self._rows_possible.get(key, False))
+
+        rng = self._rng_states() if n > 1 else None
+        reasons: list = []  # why each retried reading was contradicted
+        while True:
+            track = None
+            if n > 1:  # with one example, every row of every tensor is that example's
+                owned = {id(t) for t in self.model.parameters()} | {id(t) for t in self.model.buffers()}
+                track = Provenance(n, owned, may_retry)
+                track.mark(batch)
+            self._calls, self._active, self._hint, self._provenance, self._count, self._now = [], True, n, track, {}, {}
+            torch.Tensor.register_hook = _refuse_gradient_hook
+            try:
+                if track is None:
+                    losses = loss_fn(self.model, batch)
+                else:
+                    with track:
+                        losses = loss_fn(self.model, batch)
+                    if track.get(losses) != Layout(0):
+                        track._retry(track.guesses(losses), f"the losses are {track.get(losses)}")
+                break
+            except (Refusal, Unsupported) as refusal:
+                if not reasons:
+                    if isinstance(refusal, Unsupported):
+                        raise
+                    raise Unsupported(str(refusal)) from None
+                (layer, _), was, why = reasons[0]
+                other = "expanded over the batch" if was == "rows" else "read row by row, as batch first"
+                raise Unsupported(f"{refusal} (with the output of {self._names.get(layer)} {other} instead: "
+                                  f"{why})") from None
+            except Retry as retry:  # the reading guessed for a call was contradicted: the other one, from the top
+                was = self._now[retry.key]
+                reasons.append((retry.key, was, retry.why))
+                self._reading[retry.key] = "expand" if was == "rows" else "rows"
+                tried.setdefault(retry.key, set()).update({was, self._reading[retry.key]})
+                self._restore(rng)
+            except Exception as error:
+                expanded = [self._names.get(key[0]) for key, how in self._now.items() if how == "expand"]
+                if track is None or not expanded:
+                    raise
+                raise Unsupported(f"the forward pass failed ({type(error).__name__}: {str(error).splitlines()[0]}) "
+                                  f"with the output of {', '.join(expanded)}, called on no example's data, expanded "
+                                  "over the batch by the engine to read each example's gradient of it; use it only "
+                                  "in an elementwise operation with the examples' data, compute it from a "
+                                  "batch-first input, or freeze the layer's parameters") from error
+            finally:
+                torch.Tensor.register_hook = _REGISTER_HOOK
+                self._active, self._provenance = False, None
+                while self._modes:  # a forward pass that raised inside a subclassed layer
+                    self._modes.pop()[1].__exit__(None, None, None)
         if not isinstance(losses, torch.Tensor) or losses.dim() != 1:
             self._calls = []
             raise ValueError(f"loss_fn must return the (n,) per-example losses, got "
                              f"{tuple(losses.shape) if isinstance(losses, torch.Tensor) else type(losses).__name__}")
-        if self._hint is not None and self._hint != losses.shape[0] and any(c.broadcast for c in self._calls):
+        if losses.shape[0] != n:
             self._calls = []
-            raise Unsupported(f"the batch's first tensor has {self._hint} rows and loss_fn returned {losses.shape[0]} "
-                              "losses: a layer called on a batch of one was expanded over the wrong number of "
-                              "examples; put a batch-first tensor of the examples first in the batch")
+            raise Unsupported(f"the batch's first tensor has {n} rows and loss_fn returned {losses.shape[0]} losses: "
+                              "one loss per example, batch first (the examples' tensors first in the batch)")
+        # where the examples are in the losses: refused after the guard's proof (``_examples_apart``), so that an
+        # unseen use of a weight is named as such first
+        self._losses_label = Layout(0) if track is None else track.get(losses)
         return losses
 
     def _refuse_unseen(self) -> None:
@@ -629,12 +752,14 @@ class PhantomClipping:
                                   "layer's call before the engine records it, or rewrites the gradients the engine reads; "
                                   "remove it while training with the engine")
         for module, first in self._first.items():
-            hooks = module._forward_hooks
-            if next(iter(hooks), None) != first:
-                raise Unsupported(f"layer {self._names[module] or '(the model)'} has a forward hook "
-                                  f"({_name_of(hooks[next(iter(hooks))])}) that runs before the engine records the "
-                                  "call (registered with prepend=True after the engine was made): its change of the "
-                                  "output would be read as the layer's own; register it without prepend=True")
+            for key, hook in module._forward_hooks.items():
+                if key == first:
+                    break
+                if not isinstance(getattr(hook, "__self__", None), PhantomClipping):  # another engine's: idle
+                    raise Unsupported(f"layer {self._names[module] or '(the model)'} has a forward hook "
+                                      f"({_name_of(hook)}) that runs before the engine records the call (registered "
+                                      "with prepend=True after the engine was made): its change of the output would "
+                                      "be read as the layer's own; register it without prepend=True")
         for module in self._registered:
             if "forward" in vars(module):
                 raise Unsupported(f"layer {self._names[module] or '(the model)'} ({type(module).__name__}) has a forward "
@@ -653,6 +778,15 @@ class PhantomClipping:
                 raise Unsupported(f"parameter {name} has a gradient hook (register_hook or "
                                   "register_post_accumulate_grad_hook): it would rewrite the clipped sum (or be skipped, "
                                   "when the sum is formed by book-keeping); remove it while training with the engine")
+
+    def _restore(self, rng: tuple) -> None:
+        """Put the random states of ``_rng_states`` back: a forward pass run again draws the same dropout."""
+        cpu, cuda, py, npy = rng
+        torch.set_rng_state(cpu)
+        for d, state in cuda.items():
+            torch.cuda.set_rng_state(state, d)
+        random.setstate(py)
+        np.random.set_state(npy)
 
     def _rng_states(self) -> tuple:
         """The random states a forward pass draws from (the CPU's and each CUDA device's of the

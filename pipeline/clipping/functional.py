@@ -113,30 +113,60 @@ def bare_call(layer: nn.Module, params: dict, args: tuple, kwargs: dict):
         return layer.forward(*args, **kwargs)
 
 
+def _pick(out, which):
+    return out if which is None else out[which]
+
+
 def per_example(layer: nn.Module, args: tuple, kwargs: dict, g: torch.Tensor, n: int, which: int | None,
-                names: list[str]):
+                names: list[str], layouts: list | None = None, g_layout=None):
     """[(parameter, Direct (n, P, Q))] for each parameter of ``names``, relative to the layer (its own
     trainable ones, or some of them, and those of a sublayer its forward uses directly): the
-    vector-Jacobian product of the layer's forward on each example's rows with that example's output
-    gradient, vectorised over the examples (``torch.func.vmap``; one example at a time where vmap
-    cannot run the forward: an autograd.Function, a value read on the host). ``args``/``kwargs`` are
-    the call's, detached; a tensor whose leading dimension is the output's rows is split by example,
-    any other is shared (a (1, T) position table broadcast over the batch). ``which``: the recorded
-    element of a layer that returns a tuple. Each example's gradient of these parameters is
-    materialised (n times their size): exact, and as costly as Opacus's per-example gradients for
-    that layer. Checked: the examples' gradients add up to the batch's (a layer that mixes the
-    examples has no per-example gradient)."""
+    vector-Jacobian product of the layer's forward on each example's part of the call with that example's
+    output gradient, vectorised over the examples (``torch.func.vmap``; one example at a time where vmap
+    cannot run the forward: an autograd.Function, a value read on the host). ``args``/``kwargs`` are the
+    call's, detached. ``layouts`` (one per tensor of the flattened ``(args, kwargs)``) and ``g_layout``
+    say where the examples are (``provenance.Layout``): each example's part of a tensor is its slice, with
+    the examples' dimension kept (of size outer x inner: 1 for a batch-first tensor); a tensor of None is
+    shared by the examples; ``g_layout`` None with ``layouts`` given: ``g`` is (n, *output shape), a call
+    every example shares. Without ``layouts`` (a step of one example) every tensor whose leading size is
+    the output's is split as one example's rows. ``which``: the recorded element of a layer that returns a
+    tuple. Each example's gradient of these parameters is materialised (n times their size): exact, and as
+    costly as Opacus's per-example gradients for that layer. Checked: the examples' gradients add up to
+    the batch's (a layer that mixes the examples has no per-example gradient)."""
     from torch.func import vjp, vmap
 
     params = [layer.get_parameter(k) for k in names]
     values = tuple(p.detach() for p in params)
-    rows = g.shape[0]
     flat, spec = tree_flatten((args, kwargs))
-    dims = [0 if isinstance(t, torch.Tensor) and t.dim() and t.shape[0] == rows else None for t in flat]
-    per = [t.reshape(n, rows // n, *t.shape[1:]) if d == 0 else t for t, d in zip(flat, dims)]
-    gs = g.reshape(n, rows // n, *g.shape[1:])
+    if layouts is None:
+        rows = g.shape[0]
+        dims = [0 if isinstance(t, torch.Tensor) and t.dim() and t.shape[0] == rows else None for t in flat]
+        per = [t.reshape(n, rows // n, *t.shape[1:]) if d == 0 else t for t, d in zip(flat, dims)]
+        shapes = [None] * len(flat)
+        gs, g_dim, g_shape = g.reshape(n, rows // n, *g.shape[1:]), 0, None
+    else:
+        dims, per, shapes = [], [], []
+        for t, layout in zip(flat, layouts):
+            if layout is None or not isinstance(t, torch.Tensor):
+                dims.append(None), per.append(t), shapes.append(None)
+                continue
+            b, outer, inner = layout
+            dims.append(b + 1)
+            per.append(t.reshape(*t.shape[:b], outer, n, inner, *t.shape[b + 1:]))
+            shapes.append((*t.shape[:b], outer * inner, *t.shape[b + 1:]))
+        if g_layout is None:
+            gs, g_dim, g_shape = g, 0, None
+        else:
+            b, outer, inner = g_layout
+            gs, g_dim = g.reshape(*g.shape[:b], outer, n, inner, *g.shape[b + 1:]), b + 1
+            g_shape = (*g.shape[:b], outer * inner, *g.shape[b + 1:])
+
+    def whole(inputs, grad):  # an example's part, back to the call's rank
+        inputs = [t.reshape(s) if s is not None else t for t, s in zip(inputs, shapes)]
+        return inputs, grad.reshape(g_shape) if g_shape is not None else grad
 
     def pull(params, inputs, grad):
+        inputs, grad = whole(inputs, grad)
         a, k = tree_unflatten(list(inputs), spec)
 
         def forward(*v):
@@ -147,6 +177,7 @@ def per_example(layer: nn.Module, args: tuple, kwargs: dict, g: torch.Tensor, n:
         return back(grad)
 
     def plain(inputs, grad):  # torch.autograd, not torch.func: any autograd.Function runs
+        inputs, grad = whole(inputs, grad)
         a, k = tree_unflatten(list(inputs), spec)
         leaves = [v.clone().requires_grad_(True) for v in values]
         with torch.enable_grad():
@@ -155,20 +186,36 @@ def per_example(layer: nn.Module, args: tuple, kwargs: dict, g: torch.Tensor, n:
             found = torch.autograd.grad(out, leaves, grad, allow_unused=True)
         return tuple(torch.zeros_like(v) if f is None else f for v, f in zip(values, found))
 
+    g_whole = g.sum(0) if layouts is not None and g_layout is None else g
+
+    def pull_whole(values):
+        _, back = vjp(lambda *v: _pick(bare_call(layer, dict(zip(names, v)), *tree_unflatten(flat, spec)), which),
+                      *values)
+        return back(g_whole)
+
+    def plain_whole():
+        leaves = [v.clone().requires_grad_(True) for v in values]
+        with torch.enable_grad():
+            out = _pick(bare_call(layer, dict(zip(names, leaves)), *tree_unflatten(flat, spec)), which)
+            found = torch.autograd.grad(out, leaves, g_whole, allow_unused=True)
+        return tuple(torch.zeros_like(v) if f is None else f for v, f in zip(values, found))
+
     try:
         try:
-            grads = vmap(pull, in_dims=(None, dims, 0))(values, per, gs)
-            whole = pull(values, flat, g)  # the batch's gradient in one piece
+            grads = vmap(pull, in_dims=(None, dims, g_dim))(values, per, gs)
+            totals = pull_whole(values)  # the batch's gradient in one piece
         except (RuntimeError, ValueError, TypeError, NotImplementedError):  # one example at a time
-            each = [plain([t[i] if d == 0 else t for t, d in zip(per, dims)], gs[i]) for i in range(n)]
+            each = [plain([t.select(d, i) if d is not None else t for t, d in zip(per, dims)], gs.select(g_dim, i))
+                    for i in range(n)]
             grads = tuple(torch.stack(found) for found in zip(*each))
-            whole = plain(flat, g)
+            totals = plain_whole()
     except (RuntimeError, ValueError, TypeError, NotImplementedError) as error:
         first = (str(error).strip().splitlines() or [type(error).__name__])[0]
         raise Unsupported(f"layer {type(layer).__name__} has no registered function, and torch.func could not run its "
                           f"forward one example at a time ({first}): register a function for it "
                           "(pipeline.clipping.register) or freeze it") from error
-    for name, each, total in zip(names, grads, whole):
+    for name, each, total in zip(names, grads, totals):
+        each, total = each.detach(), total.detach()
         summed = each.sum(0)
         scale = float(each.abs().sum()) + float(total.abs().sum())
         # at float32's rounding at least: Hugging Face's norms compute in float32 whatever the input's dtype
