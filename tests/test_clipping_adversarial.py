@@ -569,3 +569,13 @@ def test_tokens_routed_to_experts_and_back_are_followed_row_by_row():
     exact(MoE(), lambda m, b: m(b), x)
     torch.manual_seed(0)
     refused(MoE(swap=True), lambda m, b: m(b), x, r"the output of experts mixes the examples of the batch")
+
+
+@pytest.mark.slow
+def test_a_compiled_nanogpt_is_exact_under_the_provenance():
+    """``torch.compile`` on the model the loss calls, under the step's record of where the examples are:
+    exact at n = T."""
+    torch.manual_seed(0)
+    model = NanoGPT()
+    compiled = torch.compile(model)
+    exact(model, lambda m, b: lm_losses(compiled, b), tokens(6), steps=1)

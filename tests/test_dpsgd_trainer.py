@@ -308,6 +308,9 @@ def test_the_public_door_trains_counts_its_eps_and_resumes_bit_for_bit(tmp_path)
     (dict(eps=1e-6), "privacy budget is too low"), (dict(eps=0.0), "eps must lie in"), (dict(eps=math.inf), "eps must lie in"),
     (dict(delta=1.0), "delta must lie in"), (dict(batch_size=100), "more than the 40 examples"),
     (dict(max_physical_batch=0), "max_physical_batch must be"), (dict(epochs=0), "epochs must be a positive integer"),
+    (dict(eps=True), "eps must lie in"), (dict(delta=True), "delta must lie in"), (dict(warmup=2.0), "warmup must be"),
+    (dict(warmup=True), "warmup must be"),
+    (dict(eps=1e-6), r"eps = 1e-06, delta = 1e-05 at sampling rate q = 0\.25 over \d+ steps; raise eps or delta"),
 ])
 def test_the_public_door_refuses_before_any_step(bad, match):
     rows, mask = _lm_data()

@@ -68,10 +68,14 @@ class DPSGD:
         n = int(tensors[0].shape[0])
         if any(int(t.shape[0]) != n for t in tensors):
             raise ValueError(f"data's tensors must have one first dimension (the examples), got {[t.shape[0] for t in tensors]}")
-        if not (isinstance(eps, (int, float)) and 0 < eps <= MAX_EPS):
+        if isinstance(eps, bool) or not (isinstance(eps, (int, float)) and 0 < eps <= MAX_EPS):
             raise ValueError(f"eps must lie in (0, {MAX_EPS:g}], got {eps!r} (DP-SGD without noise is no DP-SGD)")
-        if not (isinstance(delta, (int, float)) and 0 < delta < 1):
+        if isinstance(delta, bool) or not (isinstance(delta, (int, float)) and 0 < delta < 1):
             raise ValueError(f"delta must lie in (0, 1), got {delta!r}")
+        if warmup is not None and (isinstance(warmup, bool) or not isinstance(warmup, (int, float))
+                                   or not 0 <= warmup <= 1):
+            raise ValueError(f"warmup must be None (a constant rate) or the share of the steps spent warming up, in "
+                             f"[0, 1], got {warmup!r}")
         for value, key in ((batch_size, "batch_size"), (epochs, "epochs")):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{key} must be a positive integer, got {value!r}")

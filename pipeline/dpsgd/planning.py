@@ -26,7 +26,12 @@ ACCOUNTANTS = ("rdp", "prv")  # Opacus's accountants that calibrate DP-SGD's noi
 
 
 class Unreachable(ValueError):
-    """An (eps, delta) that no noise multiplier reaches with the run's sampling rate and steps."""
+    """An (eps, delta) that no noise multiplier reaches with the run's sampling rate and steps; ``why``:
+    the accountant's reason alone (a task's refusal names its own keys around it)."""
+
+    def __init__(self, message: str, why: str = ""):
+        super().__init__(message)
+        self.why = why or message
 
 
 @dataclass(frozen=True)
@@ -74,7 +79,10 @@ def plan(*, n: int, batch_size: int, epochs: int, eps: float, delta: float, priv
         try:
             sigma = privacy.dpsgd_noise_multiplier(eps=e, delta=d, sample_rate=q, steps=steps, accountant=accountant)
         except ValueError as err:
-            raise Unreachable(str(err).strip().rstrip(".")) from None
+            why = str(err).strip().rstrip(".")
+            raise Unreachable(f"{why}: no noise multiplier gives eps = {e:g}, delta = {d:g} at sampling rate "
+                              f"q = {q:.4g} over {steps} steps; raise eps or delta, or take fewer steps (fewer "
+                              "epochs, a smaller batch_size)", why) from None
         spent = privacy.dpsgd_spent_epsilon(sigma=sigma, delta=d, sample_rate=q, steps=steps,
                                             accountant=accountant) + share * eps
     else:
@@ -102,7 +110,7 @@ def refusal(*, eps: float, delta: float, n: int, batch_size: int, epochs: int, a
     try:
         plan(n=n, batch_size=batch_size, epochs=epochs, eps=eps, delta=delta, accountant=accountant, share=share)
     except Unreachable as err:
-        return str(err)
+        return err.why
     return None
 
 
