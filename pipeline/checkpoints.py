@@ -67,21 +67,29 @@ def read(path: Path) -> bytes:
     return payload
 
 
-def load(path: Path | None, key: dict) -> dict | None:
-    """The state at ``path`` if its ``key`` equals ``key``, else None (with a log line saying why)."""
+def load(path: Path | None, key: dict, *, strict: bool = False) -> dict | None:
+    """The state at ``path`` if its ``key`` equals ``key``, else None (with a log line saying why, that the
+    run starts over); ``strict``: a ValueError saying why instead (a resume that was asked for)."""
     import torch
 
+    def refuse(why: str, *args) -> None:
+        if strict:
+            raise ValueError(why % args)
+        log.warning(f"resume: {why}; starting over", *args)
+
     if path is None or not Path(path).is_file():
+        if strict:
+            refuse("%s does not exist", path)
         return None
     try:
         state = torch.load(io.BytesIO(read(path)), map_location="cpu", weights_only=True)
     except Exception as err:  # noqa: BLE001 - a damaged checkpoint is not resumed from
-        log.warning("resume: %s cannot be read (%s); starting over", path, err)
+        refuse("%s cannot be read (%s)", path, err)
         return None
     found = state.get("key") if isinstance(state, dict) else None
     if found != key:
         differs = [k for k in key if not isinstance(found, dict) or found.get(k) != key[k]]
-        log.warning("resume: %s is of another %s; starting over", path, " and ".join(differs) or "kind")
+        refuse("%s is of another %s", path, " and ".join(differs) or "kind")
         return None
     return state
 

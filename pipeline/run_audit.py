@@ -431,6 +431,8 @@ def parse_variants(spec, key: str, variants: tuple[str, ...] = VARIANTS) -> list
     from pipeline.validation import ConfigError
 
     out = []
+    if isinstance(spec, str):  # one variant given as a string (audit.lm.variants=engine): a list of one, not letters
+        spec = [spec]
     for entry in list(spec or ["engine"]):
         variant, _, kind = str(entry).partition(":")
         kind = kind or "dirac"

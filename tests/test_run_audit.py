@@ -199,6 +199,7 @@ def test_the_controls_the_sum_statistic_cannot_see_are_said_and_an_input_audit_i
 
     with pytest.raises(ConfigError, match="named twice"):
         audit.parse_variants(["engine", "engine:dirac"])
+    assert audit.parse_variants("no_noise:input") == [("no_noise", "input")]  # one given as a string, not letters
 
 
 def test_each_audit_is_an_mlflow_run_with_its_figure_and_scores(tmp_path, monkeypatch):

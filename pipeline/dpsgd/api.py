@@ -145,9 +145,10 @@ class DPSGD:
         """Continue from ``save``'s checkpoint of the same plan, chunking and seed (ValueError otherwise)."""
         from pipeline import checkpoints
 
-        state = checkpoints.load(Path(path), self.key)
-        if state is None:
-            raise ValueError(f"{path} is no checkpoint of this run (missing, damaged, or of another plan, "
-                             "max_physical_batch or seed)")
+        try:
+            state = checkpoints.load(Path(path), self.key, strict=True)
+        except ValueError as why:
+            raise ValueError(f"{path} is no checkpoint of this run: {why} (a checkpoint resumes only the same plan, "
+                             "max_physical_batch and seed)") from None
         self.trainer.load_state_dict(state, where=str(path))
         return self

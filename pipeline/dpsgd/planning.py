@@ -83,8 +83,8 @@ def plan(*, n: int, batch_size: int, epochs: int, eps: float, delta: float, priv
             raise Unreachable(f"{why}: no noise multiplier gives eps = {e:g}, delta = {d:g} at sampling rate "
                               f"q = {q:.4g} over {steps} steps; raise eps or delta, or take fewer steps (fewer "
                               "epochs, a smaller batch_size)", why) from None
-        spent = privacy.dpsgd_spent_epsilon(sigma=sigma, delta=d, sample_rate=q, steps=steps,
-                                            accountant=accountant) + share * eps
+        spent = float(privacy.dpsgd_spent_epsilon(sigma=sigma, delta=d, sample_rate=q, steps=steps,
+                                                  accountant=accountant)) + share * eps  # a float, not NumPy's
     else:
         sigma, spent = 0.0, math.inf
     return Plan(n, B, q, per_epoch, steps, sigma, spent, delta, bool(private), accountant, share)
