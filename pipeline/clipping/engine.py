@@ -261,7 +261,6 @@ class PhantomClipping:
         self._now: dict = {}  # this forward pass: the reading of each call on no example's data
         self._rows_possible: dict = {}  # ... and whether reading it row by row is possible at all
         self._active = False
-        self._hint: int | None = None  # this forward pass's number of examples, from the batch
         self._modes: list = []
         self._first: dict[nn.Module, int] = {}  # layer -> the id of the engine's recording hook, which must run first
         for module, how in self._how.items():
@@ -670,7 +669,7 @@ class PhantomClipping:
                 owned = {id(t) for t in self.model.parameters()} | {id(t) for t in self.model.buffers()}
                 track = Provenance(n, owned, may_retry)
                 track.mark(batch)
-            self._calls, self._active, self._hint, self._provenance, self._count, self._now = [], True, n, track, {}, {}
+            self._calls, self._active, self._provenance, self._count, self._now = [], True, track, {}, {}
             torch.Tensor.register_hook = _refuse_gradient_hook
             try:
                 if track is None:
@@ -806,14 +805,9 @@ class PhantomClipping:
         trainable numbers, eps its dtype's), with a floor of its square times the example's whole squared
         norm (a parameter whose true gradient is zero, a key projection's bias, carries rounding residues)."""
         names, params = zip(*self.params.values())
-        cpu, cuda, py, npy = rng
         after = random.getstate(), np.random.get_state()
-        with torch.random.fork_rng(devices=list(cuda)):
-            torch.set_rng_state(cpu)
-            for d, state in cuda.items():
-                torch.cuda.set_rng_state(state, d)
-            random.setstate(py)
-            np.random.set_state(npy)
+        with torch.random.fork_rng(devices=list(rng[1])):
+            self._restore(rng)
             try:
                 losses = loss_fn(self.model, batch)
             finally:
