@@ -62,7 +62,8 @@ from torch.nn.utils import parametrize
 from pipeline.clipping import functional, guard
 from pipeline.clipping.guard import Unsupported
 from pipeline.clipping.layers import lookup
-from pipeline.clipping.provenance import Layout, Mixed, Positions, Provenance, Refusal, Retry, Rows, Shared
+from pipeline.clipping.provenance import (Layout, Mixed, Positions, Provenance, Refusal, Retry, Rows, Shared,
+                                          batch_tensors)
 from pipeline.clipping.uses import Stack, Use, inner, merged, stack_key
 
 RULES = ("classic", "automatic")
@@ -113,19 +114,9 @@ def _pair(edge) -> tuple:
 
 
 def _batch_size(batch: Any) -> int | None:
-    """The leading size of the first tensor in the batch (any nesting of tuples, lists and mappings: a dict,
-    Hugging Face's BatchEncoding): the number of examples, by the engine's batch-first contract."""
-    if isinstance(batch, torch.Tensor):
-        return batch.shape[0] if batch.dim() else None
-    if isinstance(batch, dict) or hasattr(batch, "keys") and hasattr(batch, "__getitem__"):
-        items = [batch[k] for k in batch.keys()]
-    else:
-        items = batch if isinstance(batch, (list, tuple)) else ()
-    for item in items:
-        found = _batch_size(item)
-        if found is not None:
-            return found
-    return None
+    """The leading size of the first tensor in the batch with a dimension (``provenance.batch_tensors``):
+    the number of examples, by the engine's batch-first contract."""
+    return next((t.shape[0] for t in batch_tensors(batch) if t.dim()), None)
 
 
 _REGISTER_HOOK = torch.Tensor.register_hook

@@ -187,6 +187,20 @@ def _same(a, b) -> bool:
     return a is b or (a.shape == b.shape and bool(torch.equal(a, b)))
 
 
+def batch_tensors(batch: Any):
+    """The tensors of a batch, in order, through any nesting of tuples, lists and mappings (a dict, Hugging
+    Face's BatchEncoding)."""
+    if isinstance(batch, torch.Tensor):
+        yield batch
+        return
+    if isinstance(batch, dict) or hasattr(batch, "keys") and hasattr(batch, "__getitem__"):
+        items = [batch[k] for k in batch.keys()]
+    else:
+        items = batch if isinstance(batch, (list, tuple)) else ()
+    for item in items:
+        yield from batch_tensors(item)
+
+
 def _inputs(args: tuple, kwargs: dict):
     for a in (*args, *kwargs.values()):
         if isinstance(a, torch.Tensor):
@@ -244,23 +258,11 @@ class Provenance(TorchDispatchMode):
         entry = self._entry(t)
         return entry[2] if entry is not None else frozenset()
 
-    def mark(self, batch: Any) -> bool:
-        """Label the batch's tensors whose leading size is n: the examples, batch first. Whether any was."""
-        found = False
-        if isinstance(batch, torch.Tensor):
-            if batch.dim() and batch.shape[0] == self.n:
-                self.label(batch, Layout(0))
-                return True
-            return False
-        if isinstance(batch, dict) or hasattr(batch, "keys") and hasattr(batch, "__getitem__"):
-            items = [batch[k] for k in batch.keys()]
-        elif isinstance(batch, (list, tuple)):
-            items = list(batch)
-        else:
-            items = []
-        for item in items:
-            found = self.mark(item) or found
-        return found
+    def mark(self, batch: Any) -> None:
+        """Label the batch's tensors whose leading size is n: the examples, batch first."""
+        for t in batch_tensors(batch):
+            if t.dim() and t.shape[0] == self.n:
+                self.label(t, Layout(0))
 
     # --- the mode -----------------------------------------------------------------------------------
 
