@@ -7,7 +7,7 @@ at most 1.5x at m = 5,000 on the CI preset).
 
 Trains the preset's model on its data with DP-SGD as an audited run does (the language model's
 ``pipeline.lm.train.run`` with Phantom Clipping, or DPFormer's ``pipeline.seqrec.train.run`` with
-the preset's engine), once without canaries and once with m Dirac canaries (``pipeline.canaries``),
+the preset's engine), once without canaries and once with m Dirac canaries (``pipeline.audit.canaries``),
 alternately ``--repeats`` times in this process after one warm-up of each; prints the median
 seconds of each and their ratio. The data are prepared once, outside the timing (an audit prepares
 them once for all its runs).
@@ -55,7 +55,7 @@ def _lm(cfg):
     """The language model's audited training: (steps, expected batch, once(m) -> seconds)."""
     import torch
 
-    from pipeline.canaries import DiracCanaries
+    from pipeline.audit.canaries import DiracCanaries
     from pipeline.lm import config, models, streams, train
     from pipeline.lm.prepare import prepare
 
@@ -83,7 +83,7 @@ def _seqrec(cfg):
     """DPFormer's audited training (``train.run`` with its canary factory, as ``audit_run`` calls it)."""
     import torch
 
-    from pipeline.canaries import DiracCanaries
+    from pipeline.audit.canaries import DiracCanaries
     from pipeline.seqrec import config, data, train
 
     config.validate(cfg)

@@ -74,4 +74,4 @@ class Task(Protocol):
 
     def audit(self, cfg: DictConfig) -> pd.DataFrame:
         """``python -m pipeline.audit``: validate, then audit the task's mechanisms empirically
-        (``pipeline.auditing``); one row per audited mechanism."""
+        (``pipeline.audit.bounds``); one row per audited mechanism."""

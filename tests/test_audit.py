@@ -8,7 +8,8 @@ import pandas as pd
 import pytest
 from scipy.stats import beta
 
-from pipeline import auditing, privacy
+from pipeline import privacy
+from pipeline.audit import bounds
 
 DELTA = 1e-5
 
@@ -23,7 +24,7 @@ def _gaussian(eps: float, runs: int, seed: int, scale: float = 1.0):
 
 def test_clopper_pearson_known_values():
     """k = 0 has the closed form upper bound 1 - (1 - level)^(1/n); otherwise the beta quantiles."""
-    lo, hi = auditing.clopper_pearson(np.array([0, 7, 100]), 100, 0.975)
+    lo, hi = bounds.clopper_pearson(np.array([0, 7, 100]), 100, 0.975)
     assert lo[0] == 0 and hi[0] == pytest.approx(1 - 0.025 ** (1 / 100))
     assert lo[1] == pytest.approx(beta.ppf(0.025, 7, 94)) and hi[1] == pytest.approx(beta.ppf(0.975, 8, 93))
     assert lo[1] < 0.07 < hi[1] and hi[2] == 1
@@ -33,7 +34,7 @@ def test_clopper_pearson_known_values():
 def test_lower_bound_holds_at_its_confidence():
     """Over 100 independent audits of a mechanism that is exactly (1, 1e-5)-DP, the bound may exceed
     the true eps in at most 5% of them (it is conservative: in practice never)."""
-    above = sum(auditing.eps_lower_bound(*_gaussian(1.0, 20_000, seed), delta=DELTA).eps_lower > 1.0 for seed in range(100))
+    above = sum(bounds.eps_lower_bound(*_gaussian(1.0, 20_000, seed), delta=DELTA).eps_lower > 1.0 for seed in range(100))
     assert above <= 5
 
 
@@ -42,13 +43,13 @@ def test_lower_bound_is_within_the_stated_factor(eps):
     """The stated tightness (README): with 100,000 runs per set and eps >= 1 the bound lies in
     [eps / 2.5, eps] for the exactly calibrated Gaussian mechanism."""
     for seed in range(3):
-        bound = auditing.eps_lower_bound(*_gaussian(eps, 100_000, seed), delta=DELTA)
+        bound = bounds.eps_lower_bound(*_gaussian(eps, 100_000, seed), delta=DELTA)
         assert eps / 2.5 <= bound.eps_lower <= eps, (seed, bound)
 
 
 def test_halved_noise_is_flagged():
     """The same mechanism with its noise std halved is (eps', 1e-5)-DP only for eps' near 2.3: flagged."""
-    bound = auditing.eps_lower_bound(*_gaussian(1.0, 100_000, 7, scale=0.5), delta=DELTA)
+    bound = bounds.eps_lower_bound(*_gaussian(1.0, 100_000, 7, scale=0.5), delta=DELTA)
     assert bound.eps_lower > 1.0
 
 
@@ -105,27 +106,27 @@ def test_ceiling_is_the_bound_of_perfect_separation():
     and a perfectly separated sample reaches exactly that bound."""
     n = 180
     a = 0.025 ** (1 / n)
-    assert auditing.eps_ceiling(n, delta=DELTA) == pytest.approx(np.log((a - DELTA) / (1 - a)))
+    assert bounds.eps_ceiling(n, delta=DELTA) == pytest.approx(np.log((a - DELTA) / (1 - a)))
     gen = np.random.default_rng(0)
     first, second = 1000 + gen.random(200), gen.random(200)  # 20 selection runs, 180 held out
-    assert auditing.eps_lower_bound(first, second, delta=DELTA).eps_lower == pytest.approx(auditing.eps_ceiling(n, delta=DELTA))
+    assert bounds.eps_lower_bound(first, second, delta=DELTA).eps_lower == pytest.approx(bounds.eps_ceiling(n, delta=DELTA))
 
 
 def test_power_matches_a_simulated_audit():
     """eps_power (expected counts) agrees with the median bound of simulated audits of the same
     Gaussian mechanism, and grows with the run count."""
-    bounds = [auditing.eps_lower_bound(*_gaussian(2.0, 20_000, seed), delta=DELTA).eps_lower for seed in range(5)]
-    assert auditing.eps_power(18_000, 2.0, delta=DELTA) == pytest.approx(np.median(bounds), abs=0.15)
-    assert auditing.eps_power(1_800, 2.0, delta=DELTA) < auditing.eps_power(90_000, 2.0, delta=DELTA)
+    found = [bounds.eps_lower_bound(*_gaussian(2.0, 20_000, seed), delta=DELTA).eps_lower for seed in range(5)]
+    assert bounds.eps_power(18_000, 2.0, delta=DELTA) == pytest.approx(np.median(found), abs=0.15)
+    assert bounds.eps_power(1_800, 2.0, delta=DELTA) < bounds.eps_power(90_000, 2.0, delta=DELTA)
 
 
 @pytest.mark.parametrize("runs,expected", [(2_000, "inconclusive"), (100_000, "violation")])
 def test_few_runs_are_inconclusive_where_many_prove_a_violation(runs, expected):
     """Halved noise (true eps near 2.3 for a claim of 1): 100,000 runs prove the violation; 2,000 runs
     find no violation, and the verdict says the audit could not tell instead of 'consistent'."""
-    bound = auditing.eps_lower_bound(*_gaussian(1.0, runs, 7, scale=0.5), delta=DELTA)
-    power = auditing.eps_power(bound.held_out, 2.0, delta=DELTA)
-    outcome = auditing.verdict(bound, 1.0, power)
+    bound = bounds.eps_lower_bound(*_gaussian(1.0, runs, 7, scale=0.5), delta=DELTA)
+    power = bounds.eps_power(bound.held_out, 2.0, delta=DELTA)
+    outcome = bounds.verdict(bound, 1.0, power)
     assert outcome.startswith(expected), (bound, power, outcome)
     if expected == "inconclusive":
         assert bound.eps_lower <= 1.0 and f"at most {bound.eps_ceiling:.3g} provable" in outcome

@@ -1,4 +1,4 @@
-"""The one-run audit's bounds (``pipeline/auditing.py``) against reference numbers computed with
+"""The one-run audit's bounds (``pipeline/audit/one_run.py``) against reference numbers computed with
 Google DeepMind's jax_privacy ``auditing.py`` on the same saved scores (``tests/fixtures/
 jax_privacy_audit.json``: its numbers, with the commit and how they were made; none of its code):
 Steinke et al.'s p-value and bound, Mahloujifar et al.'s f-DP bound, and the Gaussian-DP bound with
@@ -12,15 +12,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pipeline import auditing
-
+from pipeline.audit import one_run
 REF = json.loads((Path(__file__).parent / "fixtures" / "jax_privacy_audit.json").read_text())
 CASES = sorted(REF["cases"])
 
 
 @pytest.mark.parametrize("row", REF["p_values"]["rows"], ids=lambda r: f"m{r['m']}-k{r['n_guess']}-v{r['n_correct']}")
 def test_steinke_p_value_matches_the_reference(row):
-    got = auditing.one_run_p_value(row["m"], row["n_guess"], row["n_correct"], row["eps"], row["delta"])
+    got = one_run.one_run_p_value(row["m"], row["n_guess"], row["n_correct"], row["eps"], row["delta"])
     assert got == pytest.approx(row["p_value"], rel=1e-9, abs=1e-15)
 
 
@@ -28,7 +27,7 @@ def test_steinke_p_value_matches_the_reference(row):
                          ids=lambda r: f"m{r['m']}-k{r['n_guess']}-v{r['n_correct']}-d{r['delta']}")
 @pytest.mark.parametrize("bound,key", [("binomial", "epsilon_one_run"), ("fdp", "epsilon_one_run_fdp")])
 def test_one_run_bounds_from_counts_match_the_reference(row, bound, key):
-    got = auditing.one_run_eps(row["m"], row["n_guess"], row["n_correct"], delta=row["delta"],
+    got = one_run.one_run_eps(row["m"], row["n_guess"], row["n_correct"], delta=row["delta"],
                                alpha=row["significance"], bound=bound)
     assert got == pytest.approx(row[key], abs=2e-5)
 
@@ -44,7 +43,7 @@ def test_one_run_bounds_at_the_references_thresholds_match(case):
         delta = float(key.split("=")[1])
         for t in out["explicit_threshold"]:
             for bound, name in (("binomial", "epsilon_one_run"), ("fdp", "epsilon_one_run_fdp")):
-                got = auditing.one_run_eps(m, t["n_guess"], t["n_correct"], delta=delta, alpha=c["significance"],
+                got = one_run.one_run_eps(m, t["n_guess"], t["n_correct"], delta=delta, alpha=c["significance"],
                                            bound=bound)
                 assert got == pytest.approx(t[name], abs=2e-5), (case, key, t["label"], bound)
 
@@ -57,7 +56,7 @@ def test_the_gaussian_dp_bound_matches_the_reference_including_no_separation(cas
         if "epsilon_from_gdp" not in out:
             continue
         delta = float(key.split("=")[1])
-        got = auditing.gdp_bound(scores, included, delta=delta, confidence=c["confidence"])
+        got = one_run.gdp_bound(scores, included, delta=delta, confidence=c["confidence"])
         assert got.eps_lower == pytest.approx(float(out["epsilon_from_gdp"]), abs=1e-5), (case, key)
         details = out.get("gdp_mu_details") or {}
         if details.get("mu_used_by_fixed_version") is not None:
@@ -69,4 +68,4 @@ def test_the_gaussian_dp_bound_matches_the_reference_including_no_separation(cas
 
 @pytest.mark.parametrize("row", [r for r in REF["gdp_table"]["rows"]], ids=lambda r: f"mu{r['mu']}-d{r['delta']}")
 def test_gdp_to_eps_conversion_matches_the_reference(row):
-    assert auditing.gdp_epsilon(row["mu"], row["delta"]) == pytest.approx(row["eps_tight_xtol1e-12"], abs=1e-7)
+    assert one_run.gdp_epsilon(row["mu"], row["delta"]) == pytest.approx(row["eps_tight_xtol1e-12"], abs=1e-7)

@@ -1,5 +1,5 @@
-"""White-box canaries' per-step log-likelihood ratio scores (``pipeline/canaries.py``) and what the
-whole-run audit builds on them (``pipeline/run_audit.py``): the ratio is the Poisson-subsampled
+"""White-box canaries' per-step log-likelihood ratio scores (``pipeline/audit/canaries.py``) and what the
+whole-run audit builds on them (``pipeline/audit/run.py``): the ratio is the Poisson-subsampled
 Gaussian mechanism's, the per-step moments are read without the inclusion bits, the ratio keeps what
 the sum throws away where the noise is small, the simulation of a run without data is what a real
 run's excluded canaries follow (and replayed noise breaks that), and ``audit.plan_only`` prints each
@@ -14,8 +14,10 @@ import pytest
 import torch
 from scipy.stats import norm
 
-from pipeline import auditing, run_audit
-from pipeline.canaries import DiracCanaries, step_llr, step_moments
+from pipeline.audit import one_run
+from pipeline.audit import summary as stage_summary
+from pipeline.audit import run as run_audit
+from pipeline.audit.canaries import DiracCanaries, step_llr, step_moments
 
 
 def test_the_step_ratio_is_the_subsampled_gaussian_likelihood_ratio():
@@ -60,8 +62,8 @@ def test_the_ratio_keeps_what_the_sum_throws_away_at_small_noise():
     can = _run(4000, 60, 0.6)
     bits = can.reveal()
     kw = dict(delta=1e-5, confidence=0.95, guesses=run_audit.default_guesses(4000))
-    ratio = auditing.one_run_bound(can.llr_scores(), bits, **kw).eps_lower
-    total = auditing.one_run_bound(can.scores(), bits, **kw).eps_lower
+    ratio = one_run.one_run_bound(can.llr_scores(), bits, **kw).eps_lower
+    total = one_run.one_run_bound(can.scores(), bits, **kw).eps_lower
     assert ratio > total + 0.3 and ratio > 2.0
 
 
@@ -106,7 +108,7 @@ def test_the_plan_prints_each_bounds_expected_value_and_ceiling_before_anything_
     for kind in ("steinke", "fdp", "gdp"):
         assert 0 <= engine[f"llr_{kind}"] <= engine[f"ceiling_{kind}"] + 1e-9
         assert bare[f"llr_{kind}"] >= engine[f"llr_{kind}"]
-    assert engine["ceiling_steinke"] == pytest.approx(auditing.one_run_ceiling(
+    assert engine["ceiling_steinke"] == pytest.approx(one_run.one_run_ceiling(
         500, delta=1e-5, guesses=run_audit.default_guesses(500)))
     cfg.audit.plan_only = False
     assert not run_audit.plan_only(cfg, variants, m, 10_000, "audit.lm.m", claimed=claimed, eps=8.0, delta=1e-5,
@@ -134,7 +136,7 @@ def test_a_stages_audits_over_seeds_are_summarised_per_claim_model_and_variant(t
     pd.DataFrame([base | {"variant": "engine", "verdict": "consistent", "best_bound": 5.0}]).to_csv(
         tmp_path / "runs" / "eps8-untied-seed0" / "audit.csv", index=False)
     (tmp_path / "runs" / "notes").mkdir()  # not an audit's folder: left alone
-    summary = run_audit.summarize(tmp_path).set_index(["claim", "model", "variant"])
+    summary = stage_summary.summarize(tmp_path).set_index(["claim", "model", "variant"])
     assert summary.loc[(1.0, "tied", "noise_halved"), ["seeds", "proofs", "gaussian", "flagged"]].tolist() == [2, 1, 1, 2]
     assert summary.loc[(1.0, "tied", "noise_halved"), "eps_lower_median"] == pytest.approx(2.0)
     assert summary.loc[(1.0, "tied", "engine"), "flagged"] == 0

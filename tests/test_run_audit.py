@@ -1,4 +1,4 @@
-"""The whole-run audit (``pipeline/canaries.py``, ``pipeline/lm/audit.py``): Dirac canaries join
+"""The whole-run audit (``pipeline/audit/canaries.py``, ``pipeline/lm/audit.py``): Dirac canaries join
 exactly the steps that sample them, their bits stay hidden until scoring, and a real DP-SGD run of
 the language model is audited: the run as planned is never flagged, the controls raise the bound,
 and a run without noise is a violation."""
@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from pipeline.canaries import DiracCanaries
+from pipeline.audit.canaries import DiracCanaries
 from pipeline.dpsgd import noise as dp_noise
 from pipeline.lm import audit, examples, models
 
@@ -206,8 +206,7 @@ def test_each_audit_is_an_mlflow_run_with_its_figure_and_scores(tmp_path, monkey
     import mlflow
     import pandas as pd
 
-    from pipeline import run_audit
-
+    from pipeline.audit import run as run_audit
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
     mlflow.set_tracking_uri(f"sqlite:///{tmp_path / 'mlflow.db'}")
     mlflow.set_experiment("audit-test")
@@ -234,7 +233,7 @@ def test_each_audit_is_an_mlflow_run_with_its_figure_and_scores(tmp_path, monkey
 def test_the_scope_run_is_offered_by_the_task_that_has_it_and_refused_by_the_others():
     from omegaconf import OmegaConf
 
-    from pipeline import audit as entry
+    from pipeline.audit import command as entry
     from pipeline import tasks
     from pipeline.validation import ConfigError
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 from hydra import compose, initialize_config_dir
 
-from pipeline.canaries import DiracCanaries
+from pipeline.audit.canaries import DiracCanaries
 from pipeline.validation import ConfigError
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -66,7 +66,7 @@ def noisy_gradient(engine, loss_fn: Callable, batches: Iterable[Any], params: li
     """One DP-SGD gradient, (sum_i c_i g_i + sigma C N(0, I)) / B, left in every ``p.grad`` of
     ``params``: the clipped sum over ``batches`` (the logical batch's micro-batches, ``clipped_sum``),
     noise once (none where sigma = 0), then the division by the expected batch size B. With
-    ``canaries`` (``pipeline.canaries.DiracCanaries``: the whole-run audit), the sampled included
+    ``canaries`` (``pipeline.audit.canaries.DiracCanaries``: the whole-run audit), the sampled included
     canaries join the clipped sum before the noise, and the noisy sum is observed before the
     division. Returns the examples' losses and clipping norms (None: a non-private engine)."""
     losses, norms = clipped_sum(engine, loss_fn, batches, params)

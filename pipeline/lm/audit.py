@@ -2,10 +2,10 @@
 ``audit.scope=run``): one real training run of this task's loop (``train.run``: its Poisson
 sampling, accountant plan, schedule, optimizer and checkpointing) with m canaries, scored after
 training and bounded against the eps the accountant claims for DP-SGD's share of the budget. The
-variants, the scoring, the power and the record are shared (``pipeline/run_audit.py``); this
+variants, the scoring, the power and the record are shared (``pipeline/audit/run.py``); this
 module supplies the training and the canaries:
 
-- ``dirac``: white-box canaries (``pipeline.canaries.DiracCanaries``), each a parameter
+- ``dirac``: white-box canaries (``pipeline.audit.canaries.DiracCanaries``), each a parameter
   coordinate, scored by its coordinate of the sum of the noisy sums;
 - ``input``: m canary posts of L + 1 tokens drawn uniformly from the vocabulary (unique content),
   each included in the training set with probability 1/2, scored by minus its loss under the
@@ -32,8 +32,9 @@ from typing import Callable
 import numpy as np
 import torch
 
-from pipeline import progress, run_audit
-from pipeline.canaries import DiracCanaries
+from pipeline import progress
+from pipeline.audit import run as run_audit
+from pipeline.audit.canaries import DiracCanaries
 from pipeline.lm import examples, streams, train
 
 VARIANTS = run_audit.VARIANTS
@@ -145,12 +146,13 @@ def parse_variants(spec, key: str = "audit.lm.variants") -> list[tuple[str, str]
 def validate(cfg) -> tuple:
     """The audit's settings, refused before anything runs: the cell's (``config.validate``), the
     audit's shared keys, the canary counts and the variants; the run must be private."""
-    from pipeline import auditing, validation
+    from pipeline import validation
+    from pipeline.audit import bounds
     from pipeline.lm import config
     from pipeline.validation import ConfigError
 
     s = config.validate(cfg)
-    auditing.check_keys(cfg.audit)
+    bounds.check_keys(cfg.audit)
     spec = cfg.audit.get("lm") or {}
     m = {"dirac": validation.positive_int(spec.get("m", 1000), "audit.lm.m"),
          "input": validation.positive_int(spec.get("input_m", 1000), "audit.lm.input_m")}

@@ -84,7 +84,7 @@ def run(model, rows: torch.Tensor, mask: torch.Tensor, run_plan: Plan, *, engine
     ``windows`` (``examples.Posts`` of the same n posts), on one window of each sampled post drawn
     afresh at every step (``examples.window_rows``; step t's offsets are drawn for all n posts from
     the seed's ``windows`` stream and t, so they do not depend on chunks, resumption or the model). With
-    ``canaries`` (``pipeline.canaries.DiracCanaries``, the whole-run audit), the sampled included
+    ``canaries`` (``pipeline.audit.canaries.DiracCanaries``, the whole-run audit), the sampled included
     canaries join every step's clipped sum before the noise, and the noisy sum is observed (their
     sums and generator are checkpointed with the rest, so an audited run resumes too). The
     rows stay where they are; each step's sample moves to the model's device (Poisson sampling and

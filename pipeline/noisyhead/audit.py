@@ -9,7 +9,7 @@ For each private mechanism (``audit.methods``, default every private one configu
    to leading order for output-perturbed ridge, and by 2 C G per step for NoisyHead;
 2. runs the mechanism's own ``fit`` ``audit.runs`` times on each set, with independent noise;
 3. projects every output on the difference of the two sets' mean outputs (the likelihood-ratio
-   statistic of a Gaussian mechanism), and hands the two samples to ``pipeline.auditing``: a
+   statistic of a Gaussian mechanism), and hands the two samples to ``pipeline.audit.bounds``: a
    threshold chosen on a first ``audit.select_fraction`` of the runs, a Clopper-Pearson lower bound
    on eps from the rest, and the verdict (violation, consistent, inconclusive).
 
@@ -29,7 +29,8 @@ import pandas as pd
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from pipeline import auditing, plot, progress, tracking
+from pipeline import plot, progress, tracking
+from pipeline.audit import bounds
 from pipeline.noisyhead import config
 from pipeline.noisyhead.data import Problem
 from pipeline.noisyhead.features import Features
@@ -68,7 +69,7 @@ def audited(cfg: DictConfig) -> list[str]:
 
 def validate(cfg: DictConfig) -> tuple[config.Constants, list[str]]:
     const = config.validate(cfg)
-    auditing.check_keys(cfg.audit)
+    bounds.check_keys(cfg.audit)
     return const, audited(cfg)
 
 
@@ -104,10 +105,10 @@ def audit_one(name: str, const: config.Constants, cfg: DictConfig, out: Path) ->
         runs = runs_of(name, cfg)
         n_sel = int(round(a.select_fraction * runs))
         s_first, s_second = statistic(first, second, n_sel)
-        bound = auditing.eps_lower_bound(s_first, s_second, delta=delta, confidence=float(a.confidence),
+        bound = bounds.eps_lower_bound(s_first, s_second, delta=delta, confidence=float(a.confidence),
                                 select_fraction=float(a.select_fraction))
-        power = auditing.eps_power(bound.held_out, float(a.power_factor) * eps, delta=delta, confidence=float(a.confidence))
-        outcome = auditing.verdict(bound, eps, power)
+        power = bounds.eps_power(bound.held_out, float(a.power_factor) * eps, delta=delta, confidence=float(a.confidence))
+        outcome = bounds.verdict(bound, eps, power)
         row = {"method": name, "eps": eps, "delta": delta, "runs": runs, "noise_scale": float(a.noise_scale),
                "N": const.N, "D": const.D, **asdict(bound), "eps_power": power, "verdict": outcome}
         tracking.log_params("audit", {k: v for k, v in row.items() if k not in ("eps_lower", "eps_estimate", "eps_ceiling", "eps_power", "tpr", "fpr")}

@@ -1,5 +1,5 @@
 """Canary-user privacy audit of one DP-SGD step of the next-item task: ``python -m pipeline.audit
-experiment=dpformer_ci`` (any config with ``task: seqrec``; ``pipeline/audit.py`` hands it here).
+experiment=dpformer_ci`` (any config with ``task: seqrec``; ``pipeline/audit/__main__.py`` hands it here).
 
 What is audited. One DP-SGD step on a fixed batch of users releases S(D) + sigma C N(0, I), with
 S(D) = sum_i c_i g_i the clipping engine's clipped sum (``train.dp_gradient``; dividing by the
@@ -24,7 +24,7 @@ one at its initialisation (``seed``), dropout off, so S is deterministic: each s
 by the real engine (``clipping.make``, ``engine.step``), and the ``audit.runs`` releases per batch
 only redraw the noise, full vectors (runs x parameters, in chunks of ``compute.chunk_trials``).
 Each release is projected on u = (S(D) - S(D')) / ||S(D) - S(D')||, the likelihood-ratio statistic
-of the Gaussian pair; u depends on no noise draw, so ``pipeline.auditing.eps_lower_bound`` (threshold
+of the Gaussian pair; u depends on no noise draw, so ``pipeline.bounds.eps_lower_bound`` (threshold
 chosen on the first ``audit.select_fraction`` of the runs, Clopper-Pearson on the rest) stays a
 valid lower bound, and ``eps_power`` / ``verdict`` say whether a bound below the claim means
 anything.
@@ -50,7 +50,8 @@ import pandas as pd
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from pipeline import auditing, plot, privacy, progress, rng, tracking, validation
+from pipeline import plot, privacy, progress, rng, tracking, validation
+from pipeline.audit import bounds
 from pipeline.validation import ConfigError
 from pipeline.seqrec import clipping, config, data, train
 from pipeline.clipping import PhantomClipping
@@ -97,7 +98,7 @@ def validate(cfg: DictConfig) -> list[str]:
     variants to audit."""
     config.validate(cfg)
     validation.threads(cfg.compute.threads, "compute.threads")
-    auditing.check_keys(cfg.audit)
+    bounds.check_keys(cfg.audit)
     s = cfg.audit.seqrec
     if s.users is not None:
         config._int(s.users, "audit.seqrec.users", 1)
@@ -164,7 +165,7 @@ def releases(S: torch.Tensor, u: torch.Tensor, *, std: float, runs: int, chunk: 
     return out
 
 
-def measure(variant: str, cfg: DictConfig, seqs, D: torch.Tensor, D_: torch.Tensor) -> tuple[dict, np.ndarray, np.ndarray, auditing.Bound]:
+def measure(variant: str, cfg: DictConfig, seqs, D: torch.Tensor, D_: torch.Tensor) -> tuple[dict, np.ndarray, np.ndarray, bounds.Bound]:
     """One variant's audit, without logging: its row (bound, power, verdict, the canary's clipped
     norm and the step's true eps from it), and the statistic on both batches' releases."""
     a = cfg.audit
@@ -182,15 +183,15 @@ def measure(variant: str, cfg: DictConfig, seqs, D: torch.Tensor, D_: torch.Tens
     s_first, s_second = (releases(S, u, std=scale * sigma * C, runs=runs, chunk=chunk, seed=seed,
                                   stream=f"audit-seqrec:{variant}:{side}")
                          for S, side in ((first, "canary"), (second, "neighbour")))
-    bound = auditing.eps_lower_bound(s_first, s_second, delta=delta, confidence=float(a.confidence),
+    bound = bounds.eps_lower_bound(s_first, s_second, delta=delta, confidence=float(a.confidence),
                                   select_fraction=float(a.select_fraction))
-    power = auditing.eps_power(bound.held_out, float(a.power_factor) * eps, delta=delta, confidence=float(a.confidence))
+    power = bounds.eps_power(bound.held_out, float(a.power_factor) * eps, delta=delta, confidence=float(a.confidence))
     # the eps this step really has: a Gaussian mechanism with sensitivity ||c g|| and std scale sigma C
     true_eps = privacy.spent_epsilon(multiplier=scale * sigma * C / norm, T=1, delta=delta)
     row = {"method": f"{cfg.clipping.name}:{variant}", "variant": variant, "eps": eps, "delta": delta, "runs": runs,
            "noise_scale": scale, "sigma": sigma, "sigma_from": str(a.seqrec.sigma), "C": C, "users": D_.shape[0], "parameters": first.numel(),
            "canary_norm": norm, "eps_true": true_eps, **asdict(bound), "eps_power": power,
-           "verdict": auditing.verdict(bound, eps, power)}
+           "verdict": bounds.verdict(bound, eps, power)}
     return row, s_first, s_second, bound
 
 

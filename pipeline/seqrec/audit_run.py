@@ -3,10 +3,10 @@ audit.scope=run``): one real training run of this task's loop (``train.run``: it
 of users, accountant plan, learning-rate schedule, Adam and checkpointing) with m canaries, scored
 after training and bounded against the eps the accountant claims for DP-SGD's share of the budget
 (Re-Attention's item histogram has its own share, which canaries in the gradient do not touch).
-The variants, the scoring, the power and the record are shared (``pipeline/run_audit.py``); this
+The variants, the scoring, the power and the record are shared (``pipeline/audit/run.py``); this
 module supplies the training and the canaries:
 
-- ``dirac``: white-box canaries (``pipeline.canaries.DiracCanaries``), each a parameter
+- ``dirac``: white-box canaries (``pipeline.audit.canaries.DiracCanaries``), each a parameter
   coordinate, added to the clipped sum (``pipeline.dpsgd.noisy_gradient``) and scored by its coordinate of
   the sum of the noisy sums;
 - ``input``: m canary users, each L + 1 items drawn uniformly (unique content), included in the
@@ -41,8 +41,9 @@ import numpy as np
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from pipeline import progress, run_audit
-from pipeline.canaries import DiracCanaries
+from pipeline import progress
+from pipeline.audit import run as run_audit
+from pipeline.audit.canaries import DiracCanaries
 
 
 VARIANTS = run_audit.VARIANTS + ("one_branch",)
@@ -159,13 +160,14 @@ def parse_variants(spec, key: str = "audit.seqrec.run.variants") -> list[tuple[s
 def validate(cfg: DictConfig) -> tuple[dict, list[tuple[str, str]]]:
     """The audit's settings, refused before anything runs: the cell's (``config.validate``), the
     audit's shared keys, the canary counts and the variants; the run must be private."""
-    from pipeline import auditing, validation
+    from pipeline import validation
+    from pipeline.audit import bounds
     from pipeline.seqrec import config
     from pipeline.validation import ConfigError
 
     config.validate(cfg)
     validation.threads(cfg.compute.threads, "compute.threads")
-    auditing.check_keys(cfg.audit)
+    bounds.check_keys(cfg.audit)
     spec = (cfg.audit.get("seqrec") or {}).get("run") or {}
     for key in spec:
         if key not in ("m", "input_m", "variants"):

@@ -176,7 +176,7 @@ def run(seqs, cfg, run_plan: Plan, on_epoch: Callable[[int, dict], None] | None 
     (``digest``) is continued from (``pipeline/seqrec/checkpoint.py``).
 
     For the whole-run audit (``pipeline/seqrec/audit_run.py``): ``canaries(model)`` makes the run's
-    Dirac canaries (``pipeline.canaries.DiracCanaries``; the caller keeps what it made), which join
+    Dirac canaries (``pipeline.audit.canaries.DiracCanaries``; the caller keeps what it made), which join
     every step and are checkpointed with the run, and ``engine(model)`` replaces the configured
     clipping engine (a negative control's test double)."""
     train = cfg.seqrec

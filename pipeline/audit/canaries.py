@@ -1,5 +1,5 @@
 """White-box canaries for auditing a whole DP-SGD training in one run (Steinke, Nasr and
-Jagielski 2023, Section 6: "Dirac canaries"; scored with ``pipeline.auditing.one_run_bound``).
+Jagielski 2023, Section 6: "Dirac canaries"; scored with ``pipeline.one_run.one_run_bound``).
 
 Each of the m canaries is one coordinate of the model's trainable parameters (distinct, drawn by a
 seeded permutation of every coordinate); its gradient is C times that basis vector: norm exactly

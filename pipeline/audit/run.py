@@ -10,7 +10,7 @@ check, the scoring into one row, and the record (one MLflow run per audit, with 
 
 **Scores.** A white-box (Dirac) canary is scored by the sum over the steps of its per-step
 log-likelihood ratio, "included" against "excluded", under the Poisson-subsampled Gaussian
-mechanism as run (``pipeline.canaries``): the statistic. Its sum of noisy coordinates (the earlier
+mechanism as run (``pipeline.audit.canaries``): the statistic. Its sum of noisy coordinates (the earlier
 release's score) is reported beside it. Where the noise multiplier is small the ratio keeps what the
 sum throws away (a step that did not sample a canary adds only noise to its sum).
 
@@ -52,7 +52,7 @@ gradient is added after clipping, of norm exactly C); only input-space canaries,
 pass through the engine, could see it.
 
 **Canaries** (``audit.<task>.variants``: ``<variant>`` or ``<variant>:input``): ``dirac`` (white-box,
-``pipeline.canaries``: the strongest) or ``input`` (canary examples with unique random content, each
+``pipeline.audit.canaries``: the strongest) or ``input`` (canary examples with unique random content, each
 included in the training data with probability 1/2, scored by minus their loss under the final
 model: what an attacker of the released model can do; expect a weak bound; distinct with
 overwhelming probability, not by construction).
@@ -66,8 +66,7 @@ from pathlib import Path
 
 import numpy as np
 
-from pipeline import auditing
-
+from pipeline.audit import one_run
 VARIANTS = ("engine", "noise_halved", "sampling_doubled", "accountant_tenth", "no_noise", "resume_reuses_noise")
 CANARIES = ("dirac", "input")
 
@@ -138,12 +137,12 @@ def simulate(m: int, *, q: float, sigma: float, steps: int, seed: int, C: float 
              chunk: int = 2**22) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """The canaries alone under the Poisson-subsampled Gaussian mechanism: m Dirac canaries, each
     included with probability 1/2, each included one added (C) at a step with probability q, N(0,
-    (sigma C)^2) on every coordinate at every step, scored as a run scores them (``pipeline.canaries``:
+    (sigma C)^2) on every coordinate at every step, scored as a run scores them (``pipeline.audit.canaries``:
     the sum / C and the per-step log-likelihood ratio with each step's moments read from the
     observations): (sum scores, ratio scores, inclusion bits). What a run without data shows: the
     plan's expected bounds (``expected``), the power, and the law the real excluded canaries' scores
     must follow (``sanity``). ``sigma`` may include the data's spread on the canaries' coordinates."""
-    from pipeline.canaries import step_llr, step_moments
+    from pipeline.audit.canaries import step_llr, step_moments
 
     rng = np.random.default_rng(seed)
     bits = rng.random(m) < 0.5
@@ -162,9 +161,9 @@ def simulate(m: int, *, q: float, sigma: float, steps: int, seed: int, C: float 
 @dataclasses.dataclass(frozen=True)
 class Bounds:
     """The three one-run bounds of one statistic's scores."""
-    steinke: auditing.OneRun  # Steinke et al.'s binomial bound: a proof at the audit's confidence
-    fdp: auditing.OneRun  # Mahloujifar et al.'s f-DP test of the Gaussian claim (eps_lower: the largest rejected)
-    gdp: auditing.GDP  # the Gaussian-DP bound (mu, and eps at delta)
+    steinke: one_run.OneRun  # Steinke et al.'s binomial bound: a proof at the audit's confidence
+    fdp: one_run.OneRun  # Mahloujifar et al.'s f-DP test of the Gaussian claim (eps_lower: the largest rejected)
+    gdp: one_run.GDP  # the Gaussian-DP bound (mu, and eps at delta)
 
     def best(self) -> tuple[str, float]:
         return max((("steinke", self.steinke.eps_lower), ("fdp", self.fdp.eps_lower), ("gdp", self.gdp.eps_lower)),
@@ -172,11 +171,11 @@ class Bounds:
 
 
 KINDS = {  # each bound of ``Bounds`` from (scores, inclusion bits, delta, confidence, guess counts)
-    "steinke": lambda s, b, delta, confidence, guesses: auditing.one_run_bound(
+    "steinke": lambda s, b, delta, confidence, guesses: one_run.one_run_bound(
         s, b, delta=delta, confidence=confidence, guesses=guesses),
-    "fdp": lambda s, b, delta, confidence, guesses: auditing.one_run_bound(
+    "fdp": lambda s, b, delta, confidence, guesses: one_run.one_run_bound(
         s, b, delta=delta, confidence=confidence, guesses=guesses, bound="fdp"),
-    "gdp": lambda s, b, delta, confidence, guesses: auditing.gdp_bound(s, b, delta=delta, confidence=confidence),
+    "gdp": lambda s, b, delta, confidence, guesses: one_run.gdp_bound(s, b, delta=delta, confidence=confidence),
 }
 
 
@@ -208,9 +207,9 @@ def ceilings(m: int, *, delta: float, confidence: float, guesses: tuple[int, ...
     of m / 2 included from m / 2 excluded for the Gaussian-DP bound)."""
     guesses = guesses or default_guesses(m)
     half = np.arange(m) < m // 2
-    return {"steinke": auditing.one_run_ceiling(m, delta=delta, confidence=confidence, guesses=guesses),
-            "fdp": auditing.one_run_ceiling(m, delta=delta, confidence=confidence, guesses=guesses, bound="fdp"),
-            "gdp": auditing.gdp_bound(half.astype(float), half, delta=delta, confidence=confidence).eps_ceiling}
+    return {"steinke": one_run.one_run_ceiling(m, delta=delta, confidence=confidence, guesses=guesses),
+            "fdp": one_run.one_run_ceiling(m, delta=delta, confidence=confidence, guesses=guesses, bound="fdp"),
+            "gdp": one_run.gdp_bound(half.astype(float), half, delta=delta, confidence=confidence).eps_ceiling}
 
 
 def effective_sigma(white_box, used) -> float:
@@ -237,7 +236,7 @@ def score(scores: np.ndarray, included: np.ndarray, *, variant: str, canaries: s
           eps: float, delta: float, confidence: float = 0.95, guesses: tuple[int, ...] | None = None, power_factor: float = 2.0,
           accountant: str = "prv", unseen: str | None = None, white_box=None) -> dict:
     """One audited run's row; ``n`` is the number of examples the run trained on (input canaries
-    included). ``white_box``: the run's Dirac canaries (``pipeline.canaries.DiracCanaries``), whose
+    included). ``white_box``: the run's Dirac canaries (``pipeline.audit.canaries.DiracCanaries``), whose
     per-step log-likelihood ratio scores are the audit's statistic (``statistic = llr``), their sum
     scores (``scores``) reported beside; input canaries are scored by ``scores`` (minus their loss).
 
@@ -268,7 +267,7 @@ def score(scores: np.ndarray, included: np.ndarray, *, variant: str, canaries: s
     extra = max(0.0, noise**2 - used.sigma**2)  # the data's share, per step, in units of C^2
     power = expected(m, q=claimed.sample_rate, sigma=math.sqrt(alt**2 + extra), steps=claimed.steps, delta=delta,
                      confidence=confidence, guesses=guesses, statistics=("llr",), kinds=("steinke",))["llr"]["steinke"]
-    verdict = auditing.one_run_verdict(main.steinke, eps, power)
+    verdict = one_run.one_run_verdict(main.steinke, eps, power)
     gaussian = max(main.fdp.eps_lower, main.gdp.eps_lower)
     if verdict != "violation" and gaussian > eps:  # the Gaussian trade-off broken: said, and never called a proof
         verdict = (f"violation of the Gaussian trade-off (f-DP {main.fdp.eps_lower:.3g}, GDP {main.gdp.eps_lower:.3g} > "
@@ -523,82 +522,3 @@ def line(row: dict) -> str:
     return (f"{row['variant']:19s} {row['canaries']:5s}: eps_lower {row['eps_lower']:.3f} (claim {row['claimed_eps']:g}, "
             f"ceiling {row['eps_ceiling']:.2f}, power {row['power']:.2f}; f-DP {row['fdp_eps_lower']:.3f}, GDP "
             f"{row['gdp_eps_lower']:.3f})  {row['correct']}/{row['guesses']} right  {row['verdict']}")
-
-
-
-# --- a stage's audits over seeds and claims -------------------------------------------------------
-
-LABEL = r"eps(?P<claim>[0-9.]+)-(?P<model>tied|untied)-seed(?P<seed>\d+)(?:-(?P<part>\w+))?"
-
-
-def summarize(root: Path) -> "pd.DataFrame":  # noqa: F821
-    """A DVC stage's audits, one folder each under ``root/runs`` named ``eps<claim>-<tied|untied>-seed<s>``
-    (optionally ``-<part>``), each holding that audit's ``audit.csv``: every row with its claim, model
-    and seed in ``root/audit.csv``; ``root/audit.md``, per (claim, model, variant, canaries), the
-    seeds, how many gave a proof (Steinke's bound above the claim) and how many a Gaussian violation
-    alone, each bound's median and range, the best bound's median, the ceilings, and the smallest
-    sanity p; ``root/metrics.json``, the same in numbers. Returns the per-group table."""
-    import json
-    import re
-
-    import pandas as pd
-
-    frames = []
-    for folder in sorted((root / "runs").iterdir()):
-        found = re.fullmatch(LABEL, folder.name)
-        if found is None or not (folder / "audit.csv").is_file():
-            continue
-        table = pd.read_csv(folder / "audit.csv")
-        frames.append(table.assign(claim=float(found["claim"]), model=found["model"], seed=int(found["seed"]),
-                                   folder=folder.name))
-    if not frames:
-        raise FileNotFoundError(f"no audit folder named like {LABEL!r} with an audit.csv under {root / 'runs'}")
-    rows = pd.concat(frames, ignore_index=True)
-    rows.to_csv(root / "audit.csv", index=False)
-    groups = []
-    for (claim, model, variant, canaries), g in rows.groupby(["claim", "model", "variant", "canaries"], sort=False):
-        proof = g["verdict"].eq("violation")
-        gaussian = g["verdict"].str.startswith("violation of the Gaussian trade-off")
-        groups.append({"claim": claim, "model": model, "variant": variant, "canaries": canaries, "seeds": len(g),
-                       "m": int(g["m"].iloc[0]), "proofs": int(proof.sum()), "gaussian": int(gaussian.sum()),
-                       "flagged": int((proof | gaussian).sum()),
-                       **{f"{k}_median": float(g[k].median()) for k in ("eps_lower", "fdp_eps_lower", "gdp_eps_lower",
-                                                                         "best_bound", "sum_eps_lower")},
-                       **{f"{k}_min": float(g[k].min()) for k in ("eps_lower", "best_bound")},
-                       **{f"{k}_max": float(g[k].max()) for k in ("eps_lower", "best_bound")},
-                       "eps_ceiling": float(g["eps_ceiling"].iloc[0]), "fdp_ceiling": float(g["fdp_ceiling"].iloc[0]),
-                       "gdp_ceiling": float(g["gdp_ceiling"].iloc[0]), "power_median": float(g["power"].median()),
-                       "sanity_p_min": float(g["sanity_p"].min())})
-    summary = pd.DataFrame(groups)
-    f = (lambda v: "-" if not math.isfinite(v) else f"{v:.2f}")
-    lines = [f"Whole-run audits over seeds ({rows['seed'].nunique()} seeds; {100 * rows['confidence'].iloc[0]:.0f}% "
-             "confidence; each bound the median over the seeds, [min, max] for Steinke's): flagged = a proof "
-             "(Steinke's bound above the claim) or a violation of the Gaussian trade-off alone (f-DP or GDP above it, "
-             "no proof)\n",
-             "| claim | model | variant | canaries | m | seeds | proofs | Gaussian only | Steinke eps >= | f-DP | GDP "
-             "| best | sum statistic: Steinke | ceilings | power | smallest sanity p |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    for r in summary.itertuples():
-        lines.append(f"| {r.claim:g} | {r.model} | {r.variant} | {r.canaries} | {r.m} | {r.seeds} | {r.proofs} | "
-                     f"{r.gaussian} | {r.eps_lower_median:.2f} [{r.eps_lower_min:.2f}, {r.eps_lower_max:.2f}] | "
-                     f"{r.fdp_eps_lower_median:.2f} | {r.gdp_eps_lower_median:.2f} | {r.best_bound_median:.2f} | "
-                     f"{f(r.sum_eps_lower_median)} | {r.eps_ceiling:.2f} / {r.fdp_ceiling:.2f} / {f(r.gdp_ceiling)} | "
-                     f"{r.power_median:.2f} | {f(r.sanity_p_min)} |")
-    (root / "audit.md").write_text("\n".join(lines) + "\n")
-    metrics = {f"eps{r['claim']:g}.{r['model']}.{r['variant']}.{r['canaries']}.{k}": r[k] for r in groups
-               for k in ("seeds", "proofs", "gaussian", "flagged", "eps_lower_median", "fdp_eps_lower_median",
-                         "gdp_eps_lower_median", "best_bound_median", "best_bound_min") if math.isfinite(r[k])}
-    (root / "metrics.json").write_text(json.dumps(metrics | {"runs": len(rows)}, indent=1) + "\n")
-    print(f"wrote audit.csv, audit.md and metrics.json to {root}: {len(rows)} audited runs in {len(groups)} groups",
-          flush=True)
-    return summary
-
-
-if __name__ == "__main__":
-    import argparse
-
-    parser = argparse.ArgumentParser(prog="python -m pipeline.run_audit",
-                                     description="Summarise a DVC stage's whole-run audits over seeds and claims.")
-    parser.add_argument("root", type=Path, help="the stage's artifacts folder (its audits in ROOT/runs/eps<claim>-"
-                        "<tied|untied>-seed<s>[-<part>])")
-    summarize(parser.parse_args().root)

@@ -5,12 +5,13 @@ hands it to the task it names (``pipeline.tasks``): NoisyHead's audit of every p
 on a worst-case pair of prompt sets (the default: ``pipeline/noisyhead/audit.py``), or, with
 ``task: seqrec`` (``experiment=dpformer_ci``), a canary-user audit of one DP-SGD step
 (``pipeline/seqrec/audit.py``). The statistics both share (the Clopper-Pearson lower bound on
-eps, the audit's power, the verdict) are ``pipeline/auditing.py``.
+eps, the audit's power, the verdict) are ``pipeline/audit/bounds.py``.
 """
 
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 import hydra
 from omegaconf import DictConfig
@@ -19,6 +20,7 @@ from pipeline import preflight, tasks
 from pipeline.validation import ConfigError
 
 
+CONF = str(Path(__file__).resolve().parents[2] / "conf")  # the repository's configs (absolute: this module is imported by __main__)
 SCOPES = (None, "run")
 
 
@@ -44,7 +46,7 @@ def run(cfg: DictConfig):
     return task.audit(cfg)
 
 
-@hydra.main(version_base="1.3", config_path="../conf", config_name="audit")
+@hydra.main(version_base="1.3", config_path=CONF, config_name="audit")
 def main(cfg: DictConfig) -> None:
     try:
         run(cfg)
@@ -54,7 +56,8 @@ def main(cfg: DictConfig) -> None:
         sys.exit(2)
 
 
-if __name__ == "__main__":
+def cli() -> None:
+    """The command line: refuse malformed overrides with one ``error:`` line (exit 2), then ``main``."""
     from pipeline.overrides import other_tasks_group, repeated, subfolder, syntax, unknown_choice
 
     argv = sys.argv[1:]

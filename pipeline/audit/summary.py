@@ -1,0 +1,84 @@
+"""A DVC stage's whole-run audits over seeds and claims, in one table: ``python -m
+pipeline.audit.summary ROOT`` (each audit's own row is ``pipeline.audit.run``)."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+# --- a stage's audits over seeds and claims -------------------------------------------------------
+
+LABEL = r"eps(?P<claim>[0-9.]+)-(?P<model>tied|untied)-seed(?P<seed>\d+)(?:-(?P<part>\w+))?"
+
+
+def summarize(root: Path) -> "pd.DataFrame":  # noqa: F821
+    """A DVC stage's audits, one folder each under ``root/runs`` named ``eps<claim>-<tied|untied>-seed<s>``
+    (optionally ``-<part>``), each holding that audit's ``audit.csv``: every row with its claim, model
+    and seed in ``root/audit.csv``; ``root/audit.md``, per (claim, model, variant, canaries), the
+    seeds, how many gave a proof (Steinke's bound above the claim) and how many a Gaussian violation
+    alone, each bound's median and range, the best bound's median, the ceilings, and the smallest
+    sanity p; ``root/metrics.json``, the same in numbers. Returns the per-group table."""
+    import json
+    import re
+
+    import pandas as pd
+
+    frames = []
+    for folder in sorted((root / "runs").iterdir()):
+        found = re.fullmatch(LABEL, folder.name)
+        if found is None or not (folder / "audit.csv").is_file():
+            continue
+        table = pd.read_csv(folder / "audit.csv")
+        frames.append(table.assign(claim=float(found["claim"]), model=found["model"], seed=int(found["seed"]),
+                                   folder=folder.name))
+    if not frames:
+        raise FileNotFoundError(f"no audit folder named like {LABEL!r} with an audit.csv under {root / 'runs'}")
+    rows = pd.concat(frames, ignore_index=True)
+    rows.to_csv(root / "audit.csv", index=False)
+    groups = []
+    for (claim, model, variant, canaries), g in rows.groupby(["claim", "model", "variant", "canaries"], sort=False):
+        proof = g["verdict"].eq("violation")
+        gaussian = g["verdict"].str.startswith("violation of the Gaussian trade-off")
+        groups.append({"claim": claim, "model": model, "variant": variant, "canaries": canaries, "seeds": len(g),
+                       "m": int(g["m"].iloc[0]), "proofs": int(proof.sum()), "gaussian": int(gaussian.sum()),
+                       "flagged": int((proof | gaussian).sum()),
+                       **{f"{k}_median": float(g[k].median()) for k in ("eps_lower", "fdp_eps_lower", "gdp_eps_lower",
+                                                                         "best_bound", "sum_eps_lower")},
+                       **{f"{k}_min": float(g[k].min()) for k in ("eps_lower", "best_bound")},
+                       **{f"{k}_max": float(g[k].max()) for k in ("eps_lower", "best_bound")},
+                       "eps_ceiling": float(g["eps_ceiling"].iloc[0]), "fdp_ceiling": float(g["fdp_ceiling"].iloc[0]),
+                       "gdp_ceiling": float(g["gdp_ceiling"].iloc[0]), "power_median": float(g["power"].median()),
+                       "sanity_p_min": float(g["sanity_p"].min())})
+    summary = pd.DataFrame(groups)
+    f = (lambda v: "-" if not math.isfinite(v) else f"{v:.2f}")
+    lines = [f"Whole-run audits over seeds ({rows['seed'].nunique()} seeds; {100 * rows['confidence'].iloc[0]:.0f}% "
+             "confidence; each bound the median over the seeds, [min, max] for Steinke's): flagged = a proof "
+             "(Steinke's bound above the claim) or a violation of the Gaussian trade-off alone (f-DP or GDP above it, "
+             "no proof)\n",
+             "| claim | model | variant | canaries | m | seeds | proofs | Gaussian only | Steinke eps >= | f-DP | GDP "
+             "| best | sum statistic: Steinke | ceilings | power | smallest sanity p |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in summary.itertuples():
+        lines.append(f"| {r.claim:g} | {r.model} | {r.variant} | {r.canaries} | {r.m} | {r.seeds} | {r.proofs} | "
+                     f"{r.gaussian} | {r.eps_lower_median:.2f} [{r.eps_lower_min:.2f}, {r.eps_lower_max:.2f}] | "
+                     f"{r.fdp_eps_lower_median:.2f} | {r.gdp_eps_lower_median:.2f} | {r.best_bound_median:.2f} | "
+                     f"{f(r.sum_eps_lower_median)} | {r.eps_ceiling:.2f} / {r.fdp_ceiling:.2f} / {f(r.gdp_ceiling)} | "
+                     f"{r.power_median:.2f} | {f(r.sanity_p_min)} |")
+    (root / "audit.md").write_text("\n".join(lines) + "\n")
+    metrics = {f"eps{r['claim']:g}.{r['model']}.{r['variant']}.{r['canaries']}.{k}": r[k] for r in groups
+               for k in ("seeds", "proofs", "gaussian", "flagged", "eps_lower_median", "fdp_eps_lower_median",
+                         "gdp_eps_lower_median", "best_bound_median", "best_bound_min") if math.isfinite(r[k])}
+    (root / "metrics.json").write_text(json.dumps(metrics | {"runs": len(rows)}, indent=1) + "\n")
+    print(f"wrote audit.csv, audit.md and metrics.json to {root}: {len(rows)} audited runs in {len(groups)} groups",
+          flush=True)
+    return summary
+
+
+if __name__ == "__main__":
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m pipeline.audit.summary",
+                                     description="Summarise a DVC stage's whole-run audits over seeds and claims.")
+    parser.add_argument("root", type=Path, help="the stage's artifacts folder (its audits in ROOT/runs/eps<claim>-"
+                        "<tied|untied>-seed<s>[-<part>])")
+    summarize(parser.parse_args().root)
