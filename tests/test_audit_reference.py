@@ -25,7 +25,7 @@ def test_steinke_p_value_matches_the_reference(row):
 
 @pytest.mark.parametrize("row", REF["one_run_from_counts"]["rows"],
                          ids=lambda r: f"m{r['m']}-k{r['n_guess']}-v{r['n_correct']}-d{r['delta']}")
-@pytest.mark.parametrize("bound,key", [("binomial", "epsilon_one_run"), ("fdp", "epsilon_one_run_fdp")])
+@pytest.mark.parametrize("bound,key", [("binomial", "epsilon_one_run"), ("gaussian", "epsilon_one_run_fdp")])
 def test_one_run_bounds_from_counts_match_the_reference(row, bound, key):
     got = one_run.one_run_eps(row["m"], row["n_guess"], row["n_correct"], delta=row["delta"],
                                alpha=row["significance"], bound=bound)
@@ -42,7 +42,7 @@ def test_one_run_bounds_at_the_references_thresholds_match(case):
             continue
         delta = float(key.split("=")[1])
         for t in out["explicit_threshold"]:
-            for bound, name in (("binomial", "epsilon_one_run"), ("fdp", "epsilon_one_run_fdp")):
+            for bound, name in (("binomial", "epsilon_one_run"), ("gaussian", "epsilon_one_run_fdp")):
                 got = one_run.one_run_eps(m, t["n_guess"], t["n_correct"], delta=delta, alpha=c["significance"],
                                            bound=bound)
                 assert got == pytest.approx(t[name], abs=2e-5), (case, key, t["label"], bound)
@@ -56,14 +56,14 @@ def test_the_gaussian_dp_bound_matches_the_reference_including_no_separation(cas
         if "epsilon_from_gdp" not in out:
             continue
         delta = float(key.split("=")[1])
-        got = one_run.gdp_bound(scores, included, delta=delta, confidence=c["confidence"])
-        assert got.eps_lower == pytest.approx(float(out["epsilon_from_gdp"]), abs=1e-5), (case, key)
+        got = one_run.gdp_estimate(scores, included, delta=delta, confidence=c["confidence"])
+        assert got.eps == pytest.approx(float(out["epsilon_from_gdp"]), abs=1e-5), (case, key)
         details = out.get("gdp_mu_details") or {}
         if details.get("mu_used_by_fixed_version") is not None:
-            assert got.mu_lower == pytest.approx(max(0.0, details["mu_used_by_fixed_version"]), rel=1e-9, abs=1e-12)
+            assert got.mu == pytest.approx(max(0.0, details["mu_used_by_fixed_version"]), rel=1e-9, abs=1e-12)
         assert got.thresholds == c["n_pareto_thresholds"]
     if case == "D":  # no separation: the signed mu is negative; the pre-fix |mu| would have claimed eps ~ 5.6
-        assert got.mu_lower == 0.0 and got.eps_lower == 0.0
+        assert got.mu == 0.0 and got.eps == 0.0
 
 
 @pytest.mark.parametrize("row", [r for r in REF["gdp_table"]["rows"]], ids=lambda r: f"mu{r['mu']}-d{r['delta']}")

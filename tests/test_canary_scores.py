@@ -105,9 +105,12 @@ def test_the_plan_prints_each_bounds_expected_value_and_ceiling_before_anything_
     assert "audit plan (claim eps = 8" in out and "engine:dirac" in out and "input canaries: no model" in out
     rows = run_audit.plan(variants, m, claimed=claimed, eps=8.0, delta=1e-5, accountant="prv", confidence=0.95, seeds=1)
     engine, bare = rows[0], rows[1]
-    for kind in ("steinke", "fdp", "gdp"):
+    for kind in ("steinke", "fdp", "gauss", "gdp"):  # the two proofs and the two estimates
         assert 0 <= engine[f"llr_{kind}"] <= engine[f"ceiling_{kind}"] + 1e-9
         assert bare[f"llr_{kind}"] >= engine[f"llr_{kind}"]
+    for kind in ("steinke", "fdp"):  # the proofs' power (a run at twice the claim) and their sum-statistic values
+        assert 0 <= engine[f"power_{kind}"] <= engine[f"ceiling_{kind}"] + 1e-9 and f"sum_{kind}" in engine
+    assert "power (proofs)" in out and "estimates" in out
     assert engine["ceiling_steinke"] == pytest.approx(one_run.one_run_ceiling(
         500, delta=1e-5, guesses=run_audit.default_guesses(500)))
     cfg.audit.plan_only = False
@@ -122,27 +125,35 @@ def test_a_stages_audits_over_seeds_are_summarised_per_claim_model_and_variant(t
 
     import pandas as pd
 
-    base = {"canaries": "dirac", "m": 100, "eps_lower": 0.2, "fdp_eps_lower": 0.3, "gdp_eps_lower": 0.4,
-            "best_bound": 0.4, "sum_eps_lower": 0.2, "eps_ceiling": 4.0, "fdp_ceiling": 8.0, "gdp_ceiling": 20.0,
-            "power": 0.5, "sanity_p": 0.3, "confidence": 0.95}
-    verdicts = {0: ("too weak to say (...)", "violation"), 1: ("consistent", "violation of the Gaussian trade-off (...)")}
-    for seed, (honest, control) in verdicts.items():
+    base = {"canaries": "dirac", "m": 100, "eps_lower": 0.2, "fdp_p": 0.5, "fdp_eps_proved": 0.3, "best_proved": 0.3,
+            "gauss_eps_estimate": 0.4, "gdp_eps_estimate": 0.5, "best_estimate": 0.5, "sum_eps_lower": 0.2,
+            "eps_ceiling": 4.0, "fdp_ceiling": 8.0, "gauss_ceiling": 9.0, "gdp_ceiling": 20.0, "power": 0.5,
+            "sanity_p": 0.3, "confidence": 0.95}
+    controls = {0: {"verdict": "violation (Steinke: ...; f-DP test: ...)", "eps_lower": 1.5, "fdp_p": 0.01,
+                    "fdp_eps_proved": 1.4},  # proved twice
+                1: {"verdict": "consistent; estimates under a Gaussian trade-off above the claim (...): not a proof",
+                    "eps_lower": 0.5, "fdp_p": 0.3, "fdp_eps_proved": 0.6, "best_estimate": 1.2}}  # estimated only
+    for seed, control in controls.items():
         folder = tmp_path / "runs" / f"eps1-tied-seed{seed}"
         folder.mkdir(parents=True)
-        pd.DataFrame([base | {"variant": "engine", "verdict": honest},
-                      base | {"variant": "noise_halved", "verdict": control, "eps_lower": 1.5 + seed}]).to_csv(
-            folder / "audit.csv", index=False)
+        pd.DataFrame([base | {"variant": "engine", "verdict": "too weak to say (...)" if seed == 0 else "consistent"},
+                      base | {"variant": "noise_halved"} | control]).to_csv(folder / "audit.csv", index=False)
     (tmp_path / "runs" / "eps8-untied-seed0").mkdir()
-    pd.DataFrame([base | {"variant": "engine", "verdict": "consistent", "best_bound": 5.0}]).to_csv(
+    pd.DataFrame([base | {"variant": "engine", "verdict": "consistent", "best_proved": 5.0}]).to_csv(
         tmp_path / "runs" / "eps8-untied-seed0" / "audit.csv", index=False)
     (tmp_path / "runs" / "notes").mkdir()  # not an audit's folder: left alone
     summary = stage_summary.summarize(tmp_path).set_index(["claim", "model", "variant"])
-    assert summary.loc[(1.0, "tied", "noise_halved"), ["seeds", "proofs", "gaussian", "flagged"]].tolist() == [2, 1, 1, 2]
-    assert summary.loc[(1.0, "tied", "noise_halved"), "eps_lower_median"] == pytest.approx(2.0)
+    halved = summary.loc[(1.0, "tied", "noise_halved")]
+    # flagged counts proofs only; an estimate above the claim is counted beside, never flagged
+    assert halved[["seeds", "flagged", "steinke_proofs", "fdp_proofs", "estimates_above"]].tolist() == [2, 1, 1, 1, 1]
+    assert halved["eps_lower_median"] == pytest.approx(1.0) and halved["fdp_eps_proved_min"] == pytest.approx(0.6)
     assert summary.loc[(1.0, "tied", "engine"), "flagged"] == 0
-    assert summary.loc[(8.0, "untied", "engine"), "best_bound_median"] == 5.0
+    assert summary.loc[(8.0, "untied", "engine"), "best_proved_median"] == 5.0
     rows = pd.read_csv(tmp_path / "audit.csv")
     assert len(rows) == 5 and set(rows["seed"]) == {0, 1}
-    assert "| 1 | tied | noise_halved | dirac | 100 | 2 | 1 | 1 | 2.00 [1.50, 2.50] |" in (tmp_path / "audit.md").read_text()
+    table = (tmp_path / "audit.md").read_text()
+    assert "| 1 | tied | noise_halved | dirac | 100 | 2 | 1 (1 / 1) | 1.00 [0.50, 1.50] | 1.00 [0.60, 1.40] | 0.3 |" in table
+    assert "Estimates (true only if the run's trade-off is Gaussian, never a proof)" in table
     metrics = json.loads((tmp_path / "metrics.json").read_text())
-    assert metrics["eps1.tied.noise_halved.dirac.flagged"] == 2 and metrics["runs"] == 5
+    assert metrics["eps1.tied.noise_halved.dirac.flagged"] == 1 and metrics["runs"] == 5
+    assert metrics["eps1.tied.noise_halved.dirac.estimates_above"] == 1

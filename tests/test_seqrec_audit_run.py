@@ -146,8 +146,8 @@ def test_no_noise_is_caught_and_a_clipping_defect_is_said_unseeable_by_white_box
     cfg = audit_cfg("seqrec.epochs=4", "seqrec.batch_size=30")
     seqs = _data(cfg)
     rows = {v: audit_run.run(seqs, cfg, variant=v, m=400) for v in ("engine", "no_noise", "one_branch")}
-    assert rows["no_noise"]["verdict"] == "violation" and rows["no_noise"]["eps_lower"] > 1
-    assert rows["engine"]["verdict"] != "violation" and rows["engine"]["eps_lower"] <= rows["engine"]["eps_ceiling"]
+    assert rows["no_noise"]["verdict"].startswith("violation") and rows["no_noise"]["eps_lower"] > 1
+    assert not rows["engine"]["verdict"].startswith("violation") and rows["engine"]["eps_lower"] <= rows["engine"]["eps_ceiling"]
     assert rows["no_noise"]["sigma_used"] == 0 and rows["engine"]["sigma_used"] == rows["engine"]["sigma_claimed"] > 0
     one = rows["one_branch"]  # white-box canaries join after clipping: the row says it cannot see the defect
     assert "join the sum after clipping" in one["verdict"], one["verdict"]

@@ -158,58 +158,91 @@ def simulate(m: int, *, q: float, sigma: float, steps: int, seed: int, C: float 
     return linear, llr, bits
 
 
-@dataclasses.dataclass(frozen=True)
-class Bounds:
-    """The three one-run bounds of one statistic's scores."""
-    steinke: one_run.OneRun  # Steinke et al.'s binomial bound: a proof at the audit's confidence
-    fdp: one_run.OneRun  # Mahloujifar et al.'s f-DP test of the Gaussian claim (eps_lower: the largest rejected)
-    gdp: one_run.GDP  # the Gaussian-DP bound (mu, and eps at delta)
+PROOFS = ("steinke", "fdp")  # tests whose rejection is a theorem's conclusion at the audit's confidence
+ESTIMATES = ("gauss", "gdp")  # numbers that hold only if the run's trade-off is Gaussian: estimates, never proofs
 
-    def best(self) -> tuple[str, float]:
-        return max((("steinke", self.steinke.eps_lower), ("fdp", self.fdp.eps_lower), ("gdp", self.gdp.eps_lower)),
+
+@dataclasses.dataclass(frozen=True)
+class Tests:
+    """One statistic's scores, tested four ways: two proofs and two estimates."""
+    steinke: one_run.OneRun  # proof: Steinke et al.'s lower bound on eps ((eps, delta)-DP rejected below it)
+    fdp: one_run.FDPTest | None  # proof: the f-DP test against the accountant's own curve (None: not run)
+    gauss: one_run.OneRun  # estimate: Mahloujifar et al.'s recursion under a Gaussian trade-off
+    gdp: one_run.GDP  # estimate: the Gaussian-DP mu and its eps
+
+    def proved(self) -> tuple[str, float]:
+        """The larger proved eps, and which test gave it."""
+        fdp = self.fdp.eps_proved if self.fdp is not None else float("nan")
+        return max((("steinke", self.steinke.eps_lower), ("fdp", fdp if math.isfinite(fdp) else 0.0)),
                    key=lambda kv: kv[1])
 
-
-KINDS = {  # each bound of ``Bounds`` from (scores, inclusion bits, delta, confidence, guess counts)
-    "steinke": lambda s, b, delta, confidence, guesses: one_run.one_run_bound(
-        s, b, delta=delta, confidence=confidence, guesses=guesses),
-    "fdp": lambda s, b, delta, confidence, guesses: one_run.one_run_bound(
-        s, b, delta=delta, confidence=confidence, guesses=guesses, bound="fdp"),
-    "gdp": lambda s, b, delta, confidence, guesses: one_run.gdp_bound(s, b, delta=delta, confidence=confidence),
-}
+    def estimated(self) -> float:
+        """The larger estimate under a Gaussian trade-off (no proof of anything)."""
+        return max(self.gauss.eps_lower, self.gdp.eps)
 
 
-def bounds(scores: np.ndarray, included: np.ndarray, *, delta: float, confidence: float,
-           guesses: tuple[int, ...]) -> Bounds:
-    """Steinke et al.'s, the f-DP and the Gaussian-DP bound from the same scores."""
-    return Bounds(**{kind: bound(scores, included, delta, confidence, guesses) for kind, bound in KINDS.items()})
+def _value(kind: str, scores, bits, claimed, delta, confidence, guesses) -> float:
+    """One test's eps from ``scores``: the proofs' lower bounds, the estimates' values."""
+    if kind == "steinke":
+        return one_run.one_run_bound(scores, bits, delta=delta, confidence=confidence, guesses=guesses).eps_lower
+    if kind == "fdp":
+        return one_run.fdp_test(scores, bits, sample_rate=claimed.sample_rate, sigma=claimed.sigma, steps=claimed.steps,
+                                delta=delta, confidence=confidence, guesses=guesses, ceiling=False).eps_proved
+    if kind == "gauss":
+        return one_run.one_run_bound(scores, bits, delta=delta, confidence=confidence, guesses=guesses,
+                                     bound="gaussian").eps_lower
+    if kind == "gdp":
+        return one_run.gdp_estimate(scores, bits, delta=delta, confidence=confidence).eps
+    raise ValueError(f"unknown test {kind!r}; known: {PROOFS + ESTIMATES}")
 
 
-def expected(m: int, *, q: float, sigma: float, steps: int, delta: float, confidence: float,
+def tests(scores: np.ndarray, included: np.ndarray, *, claimed, delta: float, confidence: float,
+          guesses: tuple[int, ...], proved: bool = True, fdp: bool = True) -> Tests:
+    """Steinke et al.'s bound, the f-DP test against the accountant's curve of ``claimed`` (a plan:
+    ``sample_rate``, ``sigma``, ``steps``; ``proved=False``: its p-value only, ``fdp=False``: not
+    run), and the two Gaussian-trade-off estimates, from the same scores."""
+    test = (one_run.fdp_test(scores, included, sample_rate=claimed.sample_rate, sigma=claimed.sigma,
+                             steps=claimed.steps, delta=delta, confidence=confidence, guesses=guesses, proved=proved)
+            if fdp and claimed.sigma > 0 else None)
+    return Tests(steinke=one_run.one_run_bound(scores, included, delta=delta, confidence=confidence, guesses=guesses),
+                 fdp=test,
+                 gauss=one_run.one_run_bound(scores, included, delta=delta, confidence=confidence, guesses=guesses,
+                                             bound="gaussian"),
+                 gdp=one_run.gdp_estimate(scores, included, delta=delta, confidence=confidence))
+
+
+def expected(m: int, *, q: float, sigma: float, steps: int, delta: float, confidence: float, claimed,
              guesses: tuple[int, ...] | None = None, seeds: int = 3, statistics: tuple[str, ...] = ("llr", "sum"),
-             kinds: tuple[str, ...] = ("steinke", "fdp", "gdp")) -> dict[str, dict[str, float]]:
-    """The bounds a run of this plan gives, by simulation of its canaries alone (``simulate``): for
-    each of ``statistics`` ("llr", "sum") and ``kinds`` ("steinke", "fdp", "gdp"), the median over
-    ``seeds`` simulated runs."""
+             kinds: tuple[str, ...] = PROOFS + ESTIMATES) -> dict[str, dict[str, float]]:
+    """What a run that trains at (q, sigma, steps) shows against the claim ``claimed`` (the plan the
+    accountant was told), by simulation of its canaries alone (``simulate``): for each of
+    ``statistics`` ("llr", "sum") and ``kinds`` (``PROOFS`` and ``ESTIMATES``), the median over
+    ``seeds`` simulated runs of its eps (a proof's lower bound, an estimate's value)."""
     guesses = guesses or default_guesses(m)
     found: dict[str, dict[str, list[float]]] = {name: {kind: [] for kind in kinds} for name in statistics}
     for seed in range(seeds):
         linear, llr, bits = simulate(m, q=q, sigma=sigma, steps=steps, seed=seed)
         for name in statistics:
             for kind in kinds:
-                scores = llr if name == "llr" else linear
-                found[name][kind].append(KINDS[kind](scores, bits, delta, confidence, guesses).eps_lower)
+                found[name][kind].append(_value(kind, llr if name == "llr" else linear, bits, claimed, delta,
+                                                confidence, guesses))
     return {name: {kind: float(np.median(v)) for kind, v in per.items()} for name, per in found.items()}
 
 
-def ceilings(m: int, *, delta: float, confidence: float, guesses: tuple[int, ...] | None = None) -> dict[str, float]:
-    """The largest value each bound can take with m canaries (every guess right; perfect separation
-    of m / 2 included from m / 2 excluded for the Gaussian-DP bound)."""
+def ceilings(m: int, *, delta: float, confidence: float, claimed, guesses: tuple[int, ...] | None = None
+             ) -> dict[str, float]:
+    """The largest value each test can give with m canaries (every guess right; perfect separation
+    of m / 2 included from m / 2 excluded for the Gaussian-DP estimate); the f-DP test's is the
+    largest eps of the claim's family (its q and steps) it could reject."""
     guesses = guesses or default_guesses(m)
     half = np.arange(m) < m // 2
-    return {"steinke": one_run.one_run_ceiling(m, delta=delta, confidence=confidence, guesses=guesses),
-            "fdp": one_run.one_run_ceiling(m, delta=delta, confidence=confidence, guesses=guesses, bound="fdp"),
-            "gdp": one_run.gdp_bound(half.astype(float), half, delta=delta, confidence=confidence).eps_ceiling}
+    bits = half.astype(float)
+    fdp = (one_run.fdp_test(bits, half, sample_rate=claimed.sample_rate, sigma=claimed.sigma, steps=claimed.steps,
+                            delta=delta, confidence=confidence, guesses=guesses).eps_ceiling
+           if claimed.sigma > 0 else float("nan"))
+    return {"steinke": one_run.one_run_ceiling(m, delta=delta, confidence=confidence, guesses=guesses), "fdp": fdp,
+            "gauss": one_run.one_run_ceiling(m, delta=delta, confidence=confidence, guesses=guesses, bound="gaussian"),
+            "gdp": one_run.gdp_estimate(bits, half, delta=delta, confidence=confidence).eps_ceiling}
 
 
 def effective_sigma(white_box, used) -> float:
@@ -232,6 +265,30 @@ def sanity(white_box, included: np.ndarray, used, seed: int = 0) -> float:
     return float(ks_2samp(real, llr[~bits]).pvalue)
 
 
+def verdict(main: Tests, eps: float, power: float) -> str:
+    """``violation (...)`` where a proof rejects the claim: Steinke's bound above it, or the f-DP test
+    rejecting the accountant's curve; else ``consistent`` where a proof could have shown a clear
+    violation (``power`` above the claim and below the ceilings), else ``too weak to say (...)``.
+    Estimates above the claim are said, as estimates, and never make a violation."""
+    found = []
+    if main.steinke.eps_lower > eps:
+        found.append(f"Steinke: eps >= {main.steinke.eps_lower:.3g} > claim {eps:g}")
+    if main.fdp is not None and main.fdp.rejected:
+        found.append(f"f-DP test: not the accounted mechanism, p = {main.fdp.p_value:.2g}")
+    if found:
+        return f"violation ({'; '.join(found)})"
+    ceiling = max(main.steinke.eps_ceiling, main.fdp.eps_ceiling if main.fdp is not None else 0.0)
+    if ceiling <= eps or power <= eps:
+        out = (f"too weak to say (m = {main.steinke.m} canaries prove at most {ceiling:.3g}; a clear violation "
+               f"would prove {power:.3g})")
+    else:
+        out = "consistent"
+    if main.estimated() > eps:
+        out += (f"; estimates under a Gaussian trade-off above the claim (f-DP {main.gauss.eps_lower:.3g}, GDP "
+                f"{main.gdp.eps:.3g}): not a proof")
+    return out
+
+
 def score(scores: np.ndarray, included: np.ndarray, *, variant: str, canaries: str, claimed, used, n: int,
           eps: float, delta: float, confidence: float = 0.95, guesses: tuple[int, ...] | None = None, power_factor: float = 2.0,
           accountant: str = "prv", unseen: str | None = None, white_box=None) -> dict:
@@ -240,16 +297,15 @@ def score(scores: np.ndarray, included: np.ndarray, *, variant: str, canaries: s
     per-step log-likelihood ratio scores are the audit's statistic (``statistic = llr``), their sum
     scores (``scores``) reported beside; input canaries are scored by ``scores`` (minus their loss).
 
-    From the statistic, three bounds side by side (``bounds``): Steinke et al.'s binomial bound on eps
-    (``eps_lower``: a proof at the audit's confidence, the one the verdict reads), the largest
-    Gaussian claim the f-DP test rejects (``fdp_eps_lower``) and the Gaussian-DP bound (``gdp_mu``,
-    ``gdp_eps_lower``): the last two are statements about a Gaussian trade-off, which DP-SGD's many
-    composed steps approach but need not meet: where they pass the claim and Steinke's does not, the
-    verdict is ``violation of the Gaussian trade-off (...)``, never a bare ``violation``. Each has its
-    ceiling for this m. ``sanity_p``: the excluded canaries' ratio scores against a simulation of
-    the run without data (``sanity``).
+    From the statistic (``tests``), two proofs at the audit's confidence: Steinke et al.'s lower bound
+    on eps (``eps_lower``) and the f-DP test of the scores against the curve of the mechanism the
+    accountant composed (``fdp_p``; ``fdp_eps_proved``: the eps of the most private run of that family
+    the scores reject); and two estimates that hold only under a Gaussian trade-off, which DP-SGD's
+    composed steps approach but need not meet (``gauss_eps_estimate``, ``gdp_eps_estimate``): they
+    never make a violation. Each has its ceiling for this m. ``sanity_p``: the excluded canaries'
+    ratio scores against a simulation of the run without data (``sanity``).
 
-    The power is Steinke's bound the statistic reaches, in simulation (median of three), against the
+    The power is the larger proof the statistic reaches, in simulation (median of three), against the
     same run calibrated to ``power_factor`` times the claim, its noise on the canaries' coordinates
     raised by what the data's gradients added in this run. An input canary's loss has no such model:
     its row gives the Dirac figure for reference, and its verdict is never ``consistent``. A control
@@ -259,45 +315,49 @@ def score(scores: np.ndarray, included: np.ndarray, *, variant: str, canaries: s
     guesses = guesses or default_guesses(m)
     linear = np.asarray(scores, dtype=np.float64)
     primary = white_box.llr_scores() if white_box is not None else linear
-    main = bounds(primary, included, delta=delta, confidence=confidence, guesses=guesses)
-    side = bounds(linear, included, delta=delta, confidence=confidence, guesses=guesses) if white_box is not None else None
+    main = tests(primary, included, claimed=claimed, delta=delta, confidence=confidence, guesses=guesses)
+    side = (tests(linear, included, claimed=claimed, delta=delta, confidence=confidence, guesses=guesses, proved=False)
+            if white_box is not None else None)
     excess = excess_variance(linear, included, used) if canaries == "dirac" else 0.0
     alt = alternative_sigma(claimed, power_factor * eps, delta, accountant)
     noise = effective_sigma(white_box, used) if white_box is not None else used.sigma
     extra = max(0.0, noise**2 - used.sigma**2)  # the data's share, per step, in units of C^2
-    power = expected(m, q=claimed.sample_rate, sigma=math.sqrt(alt**2 + extra), steps=claimed.steps, delta=delta,
-                     confidence=confidence, guesses=guesses, statistics=("llr",), kinds=("steinke",))["llr"]["steinke"]
-    verdict = one_run.one_run_verdict(main.steinke, eps, power)
-    gaussian = max(main.fdp.eps_lower, main.gdp.eps_lower)
-    if verdict != "violation" and gaussian > eps:  # the Gaussian trade-off broken: said, and never called a proof
-        verdict = (f"violation of the Gaussian trade-off (f-DP {main.fdp.eps_lower:.3g}, GDP {main.gdp.eps_lower:.3g} > "
-                   f"claim {eps:g}; Steinke's proof {main.steinke.eps_lower:.3g})")
-    elif verdict == "consistent" and canaries == "input":
-        verdict = "too weak to say (input canaries: their power is not known)"
-    elif (reason := unseen or UNSEEN.get(variant)) and verdict != "violation":  # said whatever the power
-        verdict = f"consistent ({reason})" if verdict == "consistent" else f"{verdict}; {reason}"
-    best, best_value = main.best()
+    power = max(expected(m, q=claimed.sample_rate, sigma=math.sqrt(alt**2 + extra), steps=claimed.steps, delta=delta,
+                         confidence=confidence, claimed=claimed, guesses=guesses, statistics=("llr",),
+                         kinds=PROOFS)["llr"].values())
+    said = verdict(main, eps, power)
+    if said == "consistent" and canaries == "input":
+        said = "too weak to say (input canaries: their power is not known)"
+    elif (reason := unseen or UNSEEN.get(variant)) and not said.startswith("violation"):  # said whatever the power
+        said = f"consistent ({reason})" if said == "consistent" else f"{said}; {reason}"
+    best, best_value = main.proved()
     nan = float("nan")
     checked = sanity(white_box, included, used) if white_box is not None else nan
-    if checked < SANITY and not verdict.startswith("violation"):  # what no bound showed, the scores' law may
-        verdict += (f"; the excluded canaries' scores are off the simulated run without data (KS p = {checked:.2g}): "
-                    "the data's gradients dominate the noise, or noise is replayed or missing")
+    if checked < SANITY and not said.startswith("violation"):  # what no test showed, the scores' law may
+        said += (f"; the excluded canaries' scores are off the simulated run without data (KS p = {checked:.2g}): "
+                 "the data's gradients dominate the noise, or noise is replayed or missing")
+    fdp = main.fdp
     return {"variant": variant, "canaries": canaries, "statistic": "llr" if white_box is not None else "loss",
             "claimed_eps": eps, "delta": delta,
             "sigma_claimed": claimed.sigma, "sigma_used": used.sigma, "sigma_effective": noise,
             "sample_rate_used": used.sample_rate, "steps": claimed.steps, "n": n,
             "m": m, "included": int(np.sum(included)), "excess_var": excess,
             "mu_claimed": sum_score_mu(claimed, claimed.sigma), "mu_used": sum_score_mu(used, used.sigma),
-            "eps_lower": main.steinke.eps_lower, "fdp_eps_lower": main.fdp.eps_lower,
-            "gdp_mu": main.gdp.mu_lower, "gdp_eps_lower": main.gdp.eps_lower,
-            "best_bound": best_value, "best_kind": best,
-            "sum_eps_lower": side.steinke.eps_lower if side else nan, "sum_fdp_eps_lower": side.fdp.eps_lower if side else nan,
-            "sum_gdp_eps_lower": side.gdp.eps_lower if side else nan,
+            "eps_lower": main.steinke.eps_lower, "fdp_p": fdp.p_value if fdp else nan,
+            "fdp_eps_proved": fdp.eps_proved if fdp else nan,
+            "best_proved": best_value, "best_kind": best,
+            "gauss_eps_estimate": main.gauss.eps_lower, "gdp_mu_estimate": main.gdp.mu,
+            "gdp_eps_estimate": main.gdp.eps, "best_estimate": main.estimated(),
+            "sum_eps_lower": side.steinke.eps_lower if side else nan,
+            "sum_fdp_p": side.fdp.p_value if side and side.fdp else nan,
+            "sum_gdp_eps_estimate": side.gdp.eps if side else nan,
             "correct": main.steinke.correct, "guesses": main.steinke.k_plus + main.steinke.k_minus,
-            "k_plus": main.steinke.k_plus, "k_minus": main.steinke.k_minus, "eps_ceiling": main.steinke.eps_ceiling,
-            "fdp_ceiling": main.fdp.eps_ceiling, "gdp_ceiling": main.gdp.eps_ceiling,
+            "k_plus": main.steinke.k_plus, "k_minus": main.steinke.k_minus,
+            "fdp_correct": fdp.correct if fdp else -1, "fdp_guesses": fdp.k_plus + fdp.k_minus if fdp else -1,
+            "eps_ceiling": main.steinke.eps_ceiling, "fdp_ceiling": fdp.eps_ceiling if fdp else nan,
+            "gauss_ceiling": main.gauss.eps_ceiling, "gdp_ceiling": main.gdp.eps_ceiling,
             "power": power, "sanity_p": checked,
-            "confidence": confidence, "verdict": verdict}
+            "confidence": confidence, "verdict": said}
 
 
 def figure(scores: np.ndarray, included: np.ndarray, row: dict, path: Path, white_box=None) -> Path:
@@ -331,11 +391,12 @@ def figure(scores: np.ndarray, included: np.ndarray, row: dict, path: Path, whit
         ax.legend(fontsize=8)
     axes[0][0].set_title(f"{row['variant']} ({row['canaries']}, m = {row['m']}): {row['correct']}/{row['guesses']} right, "
                          f"eps >= {row['eps_lower']:.3g} (Steinke; claim {row['claimed_eps']:.3g}, ceiling "
-                         f"{row['eps_ceiling']:.3g}); f-DP {row['fdp_eps_lower']:.3g}, GDP {row['gdp_eps_lower']:.3g}\n"
+                         f"{row['eps_ceiling']:.3g}); f-DP test p = {row['fdp_p']:.2g}, eps >= {row['fdp_eps_proved']:.3g}; "
+                         f"estimates: f-DP {row['gauss_eps_estimate']:.3g}, GDP {row['gdp_eps_estimate']:.3g}\n"
                          f"{row['verdict']}", fontsize=8)
     if white_box is not None:
-        axes[0][1].set_title(f"the sum statistic: Steinke {row['sum_eps_lower']:.3g}, f-DP {row['sum_fdp_eps_lower']:.3g}, "
-                             f"GDP {row['sum_gdp_eps_lower']:.3g}", fontsize=8)
+        axes[0][1].set_title(f"the sum statistic: Steinke eps >= {row['sum_eps_lower']:.3g}, f-DP test p = "
+                             f"{row['sum_fdp_p']:.2g}; GDP estimate {row['sum_gdp_eps_estimate']:.3g}", fontsize=8)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=130)
@@ -369,26 +430,32 @@ def record(row: dict, scores: np.ndarray, included: np.ndarray, *, task: str, ou
     return fig
 
 
-METRICS = ("eps_lower", "fdp_eps_lower", "gdp_mu", "gdp_eps_lower", "best_bound", "sum_eps_lower", "sum_fdp_eps_lower",
-           "sum_gdp_eps_lower", "eps_ceiling", "fdp_ceiling", "gdp_ceiling", "power", "correct", "mu_used", "mu_claimed",
-           "sigma_effective", "sanity_p")  # a row's numbers, logged as MLflow metrics
+METRICS = ("eps_lower", "fdp_p", "fdp_eps_proved", "best_proved", "gauss_eps_estimate", "gdp_mu_estimate",
+           "gdp_eps_estimate", "best_estimate", "sum_eps_lower", "sum_fdp_p", "sum_gdp_eps_estimate", "eps_ceiling",
+           "fdp_ceiling", "gauss_ceiling", "gdp_ceiling", "power", "correct", "mu_used", "mu_claimed", "sigma_effective",
+           "sanity_p")  # a row's numbers, logged as MLflow metrics
 
 
 def markdown(table, scale: str) -> str:
-    """The audit's table: one row per audited run, the three bounds of its statistic (and, for
-    white-box canaries, of the sum score) with their ceilings."""
+    """The audit's table: one row per audited run, its two proofs (Steinke's bound; the f-DP test
+    against the accountant's curve, its p-value and the eps it proves), its two estimates under a
+    Gaussian trade-off, and for white-box canaries the sum statistic's, with the ceilings."""
     f = (lambda v: "-" if not math.isfinite(v) else f"{v:.2f}")
+    g = (lambda v: "-" if not math.isfinite(v) else f"{v:.2g}")
     lines = [f"Whole-run audit (one run, {100 * table['confidence'].iloc[0]:.0f}% confidence; statistic: per-step "
-             f"log-likelihood ratio for white-box canaries, minus the loss for input canaries), {scale}\n",
-             "| variant | canaries | m | steps | sigma used (claimed) | q used | Steinke eps >= | f-DP | GDP (mu) "
-             "| sum: Steinke / f-DP / GDP | ceilings | claim | power | sanity p | verdict |",
+             f"log-likelihood ratio for white-box canaries, minus the loss for input canaries), {scale}. Proofs: "
+             "Steinke's lower bound on eps; the f-DP test of the accountant's own curve (p, and the eps it proves). "
+             "Estimates (true only if the run's trade-off is Gaussian; never a proof): f-DP and GDP.\n",
+             "| variant | canaries | m | steps | sigma used (claimed) | q used | proof: Steinke eps >= | proof: f-DP p "
+             "(eps >=) | estimates: f-DP / GDP (mu) | sum: Steinke / f-DP p | ceilings: Steinke / f-DP | claim | power "
+             "| sanity p | verdict |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in table.itertuples():
         lines.append(f"| {r.variant} | {r.canaries} | {r.m} | {r.steps} | {r.sigma_used:.3f} ({r.sigma_claimed:.3f}) | "
-                     f"{r.sample_rate_used:.3g} | {r.eps_lower:.3f} ({r.correct} / {r.guesses}) | {f(r.fdp_eps_lower)} | "
-                     f"{f(r.gdp_eps_lower)} ({r.gdp_mu:.2f}) | {f(r.sum_eps_lower)} / {f(r.sum_fdp_eps_lower)} / "
-                     f"{f(r.sum_gdp_eps_lower)} | {r.eps_ceiling:.2f} / {r.fdp_ceiling:.2f} / {f(r.gdp_ceiling)} | "
-                     f"{r.claimed_eps:g} | {r.power:.2f} | {f(r.sanity_p)} | {r.verdict} |")
+                     f"{r.sample_rate_used:.3g} | {r.eps_lower:.3f} ({r.correct} / {r.guesses}) | {g(r.fdp_p)} "
+                     f"({f(r.fdp_eps_proved)}) | {f(r.gauss_eps_estimate)} / {f(r.gdp_eps_estimate)} "
+                     f"({r.gdp_mu_estimate:.2f}) | {f(r.sum_eps_lower)} / {g(r.sum_fdp_p)} | {r.eps_ceiling:.2f} / "
+                     f"{f(r.fdp_ceiling)} | {r.claimed_eps:g} | {r.power:.2f} | {f(r.sanity_p)} | {r.verdict} |")
     return "\n".join(lines) + "\n"
 
 
@@ -405,8 +472,8 @@ def publish(rows: list[dict], out: Path, report_dir, *, scale: str, claimed_eps:
     table.to_csv(out / "audit.csv", index=False)
     (out / "audit.md").write_text(markdown(table, scale))
     metrics = {f"{r['variant']}.{r['canaries']}.{k}": r[k] for r in rows
-               for k in ("eps_lower", "fdp_eps_lower", "gdp_eps_lower", "sum_eps_lower", "eps_ceiling", "power", "correct",
-                         "guesses", "sanity_p") if math.isfinite(r[k])}
+               for k in ("eps_lower", "fdp_p", "fdp_eps_proved", "gauss_eps_estimate", "gdp_eps_estimate", "sum_eps_lower",
+                         "eps_ceiling", "fdp_ceiling", "power", "correct", "guesses", "sanity_p") if math.isfinite(r[k])}
     (out / "metrics.json").write_text(json.dumps(metrics | {"claimed_eps": claimed_eps, "runs": len(rows)}, indent=1) + "\n")
     where = [out]
     if report_dir:
@@ -455,21 +522,31 @@ def _check_canaries(variants: list[tuple[str, str]], m_dirac: int, coordinates: 
 
 
 def plan(variants: list[tuple[str, str]], m: dict, *, claimed, eps: float, delta: float, accountant: str,
-         confidence: float, seeds: int = 3) -> list[dict]:
+         confidence: float, seeds: int = 3, power_factor: float = 2.0) -> list[dict]:
     """What each configured audit can show before it runs: per variant, the training as run (its
-    sigma, q and steps), each bound's expected value for the per-step ratio and the sum statistics
-    (``expected``: the canaries alone, no data, so an upper estimate where the data's gradients add
-    spread on the canaries' coordinates) and each bound's ceiling for its m."""
-    rows = []
+    sigma, q and steps), each test's expected value for the per-step ratio statistic and the proofs'
+    for the sum (``expected``: the canaries alone, no data, so an upper estimate where the data's
+    gradients add spread on the canaries' coordinates), each test's ceiling for its m, and the power:
+    what the proofs show, in the same simulation, of a run calibrated to ``power_factor`` times the claim."""
+    rows, tops, powers = [], {}, {}
     for variant, kind in variants:
         used = actual_plan(claimed, "engine" if variant not in VARIANTS else variant, eps=eps, delta=delta,
                            accountant=accountant)
         row = {"variant": variant, "canaries": kind, "m": m[kind], "claimed_eps": eps, "sigma_used": used.sigma,
                "sample_rate_used": used.sample_rate, "steps": used.steps}
-        row |= {f"ceiling_{k}": v for k, v in ceilings(m[kind], delta=delta, confidence=confidence).items()}
+        if m[kind] not in tops:
+            tops[m[kind]] = ceilings(m[kind], delta=delta, confidence=confidence, claimed=claimed)
+            alt = alternative_sigma(claimed, power_factor * eps, delta, accountant)
+            powers[m[kind]] = expected(m[kind], q=claimed.sample_rate, sigma=alt, steps=claimed.steps, delta=delta,
+                                       confidence=confidence, claimed=claimed, seeds=seeds, statistics=("llr",),
+                                       kinds=PROOFS)["llr"]
+        row |= {f"ceiling_{k}": v for k, v in tops[m[kind]].items()}
+        row |= {f"power_{k}": v for k, v in powers[m[kind]].items()}
         if kind == "dirac":
             found = expected(m[kind], q=used.sample_rate, sigma=used.sigma, steps=used.steps, delta=delta,
-                             confidence=confidence, seeds=seeds)
+                             confidence=confidence, claimed=claimed, seeds=seeds, statistics=("llr",))
+            found |= expected(m[kind], q=used.sample_rate, sigma=used.sigma, steps=used.steps, delta=delta,
+                              confidence=confidence, claimed=claimed, seeds=seeds, statistics=("sum",), kinds=PROOFS)
             row |= {f"{stat}_{k}": v for stat, per in found.items() for k, v in per.items()}
         rows.append(row)
     return rows
@@ -485,19 +562,22 @@ def plan_only(cfg, variants: list[tuple[str, str]], m: dict, coordinates: int, k
     from pipeline import preflight
 
     rows = plan(variants, m, claimed=claimed, eps=eps, delta=delta, accountant=accountant,
-                confidence=float(cfg.audit.confidence))
+                confidence=float(cfg.audit.confidence), power_factor=float(cfg.audit.get("power_factor", 2.0)))
     f = (lambda v: "-" if v is None or not math.isfinite(v) else f"{v:.2f}")
     print(f"audit plan (claim eps = {eps:g}, delta = {delta:g}, {100 * float(cfg.audit.confidence):.0f}% confidence; "
-          "expected values simulate the canaries alone, without the data's gradients: an upper estimate)")
-    print(f"{'variant':28s} {'m':>6s} {'sigma':>7s} {'q':>7s} {'steps':>6s}   expected Steinke / f-DP / GDP: per-step ratio "
-          "| sum          ceilings")
+          "expected values simulate the canaries alone, without the data's gradients: an upper estimate). Proofs: "
+          "Steinke's bound and the f-DP test against the accountant's curve; estimates (a Gaussian trade-off "
+          "assumed, never a proof): f-DP and GDP")
+    print(f"{'variant':28s} {'m':>6s} {'sigma':>7s} {'q':>7s} {'steps':>6s}   expected proofs Steinke / f-DP, estimates "
+          "f-DP / GDP (ratio) | proofs (sum)   ceilings: proofs | estimates   power (proofs)")
     for r in rows:
         name = f"{r['variant']}:{r['canaries']}"
-        exp = (f"{f(r.get('llr_steinke'))} / {f(r.get('llr_fdp'))} / {f(r.get('llr_gdp'))} | "
-               f"{f(r.get('sum_steinke'))} / {f(r.get('sum_fdp'))} / {f(r.get('sum_gdp'))}"
+        exp = (f"{f(r.get('llr_steinke'))} / {f(r.get('llr_fdp'))}, {f(r.get('llr_gauss'))} / {f(r.get('llr_gdp'))} | "
+               f"{f(r.get('sum_steinke'))} / {f(r.get('sum_fdp'))}"
                if r["canaries"] == "dirac" else "input canaries: no model of their scores")
         print(f"{name:28s} {r['m']:6d} {r['sigma_used']:7.3f} {r['sample_rate_used']:7.3g} {r['steps']:6d}   {exp}   "
-              f"{f(r['ceiling_steinke'])} / {f(r['ceiling_fdp'])} / {f(r['ceiling_gdp'])}", flush=True)
+              f"{f(r['ceiling_steinke'])} / {f(r['ceiling_fdp'])} | {f(r['ceiling_gauss'])} / {f(r['ceiling_gdp'])}   "
+              f"{f(r['power_steinke'])} / {f(r['power_fdp'])}", flush=True)
     preflight.forget_run_folder()  # nothing ran: no folder left
     return True
 
@@ -519,6 +599,8 @@ def start(cfg, variants: list[tuple[str, str]], m_dirac: int, coordinates: int, 
 
 def line(row: dict) -> str:
     """One audited run, as the audit prints it."""
-    return (f"{row['variant']:19s} {row['canaries']:5s}: eps_lower {row['eps_lower']:.3f} (claim {row['claimed_eps']:g}, "
-            f"ceiling {row['eps_ceiling']:.2f}, power {row['power']:.2f}; f-DP {row['fdp_eps_lower']:.3f}, GDP "
-            f"{row['gdp_eps_lower']:.3f})  {row['correct']}/{row['guesses']} right  {row['verdict']}")
+    return (f"{row['variant']:19s} {row['canaries']:5s}: proofs: eps >= {row['eps_lower']:.3f} (Steinke), f-DP test p = "
+            f"{row['fdp_p']:.2g} (eps >= {row['fdp_eps_proved']:.3f}); claim {row['claimed_eps']:g}, ceilings "
+            f"{row['eps_ceiling']:.2f} / {row['fdp_ceiling']:.2f}, power {row['power']:.2f}; estimates f-DP "
+            f"{row['gauss_eps_estimate']:.3f}, GDP {row['gdp_eps_estimate']:.3f}  {row['correct']}/{row['guesses']} "
+            f"right  {row['verdict']}")

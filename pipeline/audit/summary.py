@@ -15,9 +15,10 @@ def summarize(root: Path) -> "pd.DataFrame":  # noqa: F821
     """A DVC stage's audits, one folder each under ``root/runs`` named ``eps<claim>-<tied|untied>-seed<s>``
     (optionally ``-<part>``), each holding that audit's ``audit.csv``: every row with its claim, model
     and seed in ``root/audit.csv``; ``root/audit.md``, per (claim, model, variant, canaries), the
-    seeds, how many gave a proof (Steinke's bound above the claim) and how many a Gaussian violation
-    alone, each bound's median and range, the best bound's median, the ceilings, and the smallest
-    sanity p; ``root/metrics.json``, the same in numbers. Returns the per-group table."""
+    seeds, how many were flagged (a proof: Steinke's bound above the claim, or the f-DP test rejecting
+    the accountant's curve; each counted), each proof's median and range, the estimates' medians
+    (beside, never flagged: ``estimates_above`` counts those above the claim), the ceilings, the power
+    and the smallest sanity p; ``root/metrics.json``, the same in numbers. Returns the per-group table."""
     import json
     import re
 
@@ -37,37 +38,45 @@ def summarize(root: Path) -> "pd.DataFrame":  # noqa: F821
     rows.to_csv(root / "audit.csv", index=False)
     groups = []
     for (claim, model, variant, canaries), g in rows.groupby(["claim", "model", "variant", "canaries"], sort=False):
-        proof = g["verdict"].eq("violation")
-        gaussian = g["verdict"].str.startswith("violation of the Gaussian trade-off")
+        proof = g["verdict"].str.startswith("violation")
+        above = g["best_estimate"].gt(g["claim"]) & ~proof
         groups.append({"claim": claim, "model": model, "variant": variant, "canaries": canaries, "seeds": len(g),
-                       "m": int(g["m"].iloc[0]), "proofs": int(proof.sum()), "gaussian": int(gaussian.sum()),
-                       "flagged": int((proof | gaussian).sum()),
-                       **{f"{k}_median": float(g[k].median()) for k in ("eps_lower", "fdp_eps_lower", "gdp_eps_lower",
-                                                                         "best_bound", "sum_eps_lower")},
-                       **{f"{k}_min": float(g[k].min()) for k in ("eps_lower", "best_bound")},
-                       **{f"{k}_max": float(g[k].max()) for k in ("eps_lower", "best_bound")},
+                       "m": int(g["m"].iloc[0]), "proofs": int(proof.sum()), "flagged": int(proof.sum()),
+                       "steinke_proofs": int(g["eps_lower"].gt(g["claim"]).sum()),
+                       "fdp_proofs": int(g["fdp_p"].le(1 - g["confidence"]).sum()),
+                       "estimates_above": int(above.sum()),
+                       **{f"{k}_median": float(g[k].median()) for k in ("eps_lower", "fdp_eps_proved", "best_proved",
+                                                                         "gauss_eps_estimate", "gdp_eps_estimate",
+                                                                         "sum_eps_lower", "fdp_p")},
+                       **{f"{k}_min": float(g[k].min()) for k in ("eps_lower", "fdp_eps_proved", "best_proved")},
+                       **{f"{k}_max": float(g[k].max()) for k in ("eps_lower", "fdp_eps_proved", "best_proved", "fdp_p")},
                        "eps_ceiling": float(g["eps_ceiling"].iloc[0]), "fdp_ceiling": float(g["fdp_ceiling"].iloc[0]),
-                       "gdp_ceiling": float(g["gdp_ceiling"].iloc[0]), "power_median": float(g["power"].median()),
-                       "sanity_p_min": float(g["sanity_p"].min())})
+                       "gauss_ceiling": float(g["gauss_ceiling"].iloc[0]), "gdp_ceiling": float(g["gdp_ceiling"].iloc[0]),
+                       "power_median": float(g["power"].median()), "sanity_p_min": float(g["sanity_p"].min())})
     summary = pd.DataFrame(groups)
     f = (lambda v: "-" if not math.isfinite(v) else f"{v:.2f}")
     lines = [f"Whole-run audits over seeds ({rows['seed'].nunique()} seeds; {100 * rows['confidence'].iloc[0]:.0f}% "
-             "confidence; each bound the median over the seeds, [min, max] for Steinke's): flagged = a proof "
-             "(Steinke's bound above the claim) or a violation of the Gaussian trade-off alone (f-DP or GDP above it, "
-             "no proof)\n",
-             "| claim | model | variant | canaries | m | seeds | proofs | Gaussian only | Steinke eps >= | f-DP | GDP "
-             "| best | sum statistic: Steinke | ceilings | power | smallest sanity p |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "confidence). Proofs: Steinke's lower bound on eps, and the f-DP test of the scores against the curve of the "
+             "mechanism the accountant composed (a rejection proves the run is not that mechanism; 'eps >=' is the eps "
+             "of the most private run of its family, same q and steps, that the scores reject). Flagged = a proof. "
+             "Estimates (true only if the run's trade-off is Gaussian, never a proof): f-DP and GDP, medians. Each "
+             "number the median over the seeds, [min, max] for the proofs\n",
+             "| claim | model | variant | canaries | m | seeds | flagged (Steinke / f-DP test) | proof: Steinke eps >= "
+             "| proof: f-DP test eps >= | f-DP test p, largest | estimates: f-DP / GDP | sum statistic: Steinke "
+             "| ceilings: Steinke / f-DP test | power | smallest sanity p |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in summary.itertuples():
-        lines.append(f"| {r.claim:g} | {r.model} | {r.variant} | {r.canaries} | {r.m} | {r.seeds} | {r.proofs} | "
-                     f"{r.gaussian} | {r.eps_lower_median:.2f} [{r.eps_lower_min:.2f}, {r.eps_lower_max:.2f}] | "
-                     f"{r.fdp_eps_lower_median:.2f} | {r.gdp_eps_lower_median:.2f} | {r.best_bound_median:.2f} | "
-                     f"{f(r.sum_eps_lower_median)} | {r.eps_ceiling:.2f} / {r.fdp_ceiling:.2f} / {f(r.gdp_ceiling)} | "
-                     f"{r.power_median:.2f} | {f(r.sanity_p_min)} |")
+        lines.append(f"| {r.claim:g} | {r.model} | {r.variant} | {r.canaries} | {r.m} | {r.seeds} | {r.flagged} "
+                     f"({r.steinke_proofs} / {r.fdp_proofs}) | {r.eps_lower_median:.2f} [{r.eps_lower_min:.2f}, "
+                     f"{r.eps_lower_max:.2f}] | {f(r.fdp_eps_proved_median)} [{f(r.fdp_eps_proved_min)}, "
+                     f"{f(r.fdp_eps_proved_max)}] | {r.fdp_p_max:.2g} | {f(r.gauss_eps_estimate_median)} / "
+                     f"{f(r.gdp_eps_estimate_median)} | {f(r.sum_eps_lower_median)} | {r.eps_ceiling:.2f} / "
+                     f"{f(r.fdp_ceiling)} | {r.power_median:.2f} | {f(r.sanity_p_min)} |")
     (root / "audit.md").write_text("\n".join(lines) + "\n")
     metrics = {f"eps{r['claim']:g}.{r['model']}.{r['variant']}.{r['canaries']}.{k}": r[k] for r in groups
-               for k in ("seeds", "proofs", "gaussian", "flagged", "eps_lower_median", "fdp_eps_lower_median",
-                         "gdp_eps_lower_median", "best_bound_median", "best_bound_min") if math.isfinite(r[k])}
+               for k in ("seeds", "flagged", "steinke_proofs", "fdp_proofs", "estimates_above", "eps_lower_median",
+                         "fdp_eps_proved_median", "fdp_eps_proved_min", "best_proved_median", "best_proved_min",
+                         "gauss_eps_estimate_median", "gdp_eps_estimate_median", "fdp_p_max") if math.isfinite(r[k])}
     (root / "metrics.json").write_text(json.dumps(metrics | {"runs": len(rows)}, indent=1) + "\n")
     print(f"wrote audit.csv, audit.md and metrics.json to {root}: {len(rows)} audited runs in {len(groups)} groups",
           flush=True)

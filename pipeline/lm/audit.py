@@ -246,7 +246,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
         r = run(build, rows, mask, variant=variant, eps=args.eps, delta=args.delta, batch_size=args.batch_size,
                 epochs=args.epochs, C=1.0, lr=1e-2, m=args.m, seed=args.seed, canaries=args.canaries, V=40)
         print(f"{variant:19s} sigma {r['sigma_used']:.3f} (claimed {r['sigma_claimed']:.3f})  q {r['sample_rate_used']:.2f}  "
-              f"eps_lower {r['eps_lower']:.3f} (f-DP {r['fdp_eps_lower']:.3f}, GDP {r['gdp_eps_lower']:.3f})  "
+              f"proofs: eps_lower {r['eps_lower']:.3f}, f-DP p {r['fdp_p']:.2g} (eps >= {r['fdp_eps_proved']:.3f}); "
+              f"estimates f-DP {r['gauss_eps_estimate']:.3f}, GDP {r['gdp_eps_estimate']:.3f}  "
               f"{r['correct']}/{r['guesses']} right  ceiling {r['eps_ceiling']:.2f}  power {r['power']:.2f}  {r['verdict']}",
               flush=True)
         out.append(r)
