@@ -86,3 +86,43 @@ def test_the_split_is_seeded_disjoint_and_complete():
     for bad in (0.0, 1.0, 0.001):
         with pytest.raises(data.DataError, match="dataset.valid_fraction"):
             data.split(corpus, valid_fraction=bad, seed=0)
+
+
+def test_a_message_is_on_one_side_and_one_example():
+    """A cross-post (the same cleaned text in a public and a private group's folder) is private: gone
+    from every public split; a private message met twice (white space aside, or in train and test)
+    is one example, its first occurrence; public repeats of public messages stay (public data)."""
+    corpus = {"train": [("pub", "shared  text"), ("priv", "shared text"), ("priv", "mine"), ("priv", "mine\n"),
+                        ("pub", "open"), ("pub", "open")],
+              "test": [("pub", "shared text"), ("priv", "mine"), ("priv", "new")]}
+    out, removed = data.dedupe(corpus, ("pub",))
+    assert out["train"] == [("priv", "shared text"), ("priv", "mine"), ("pub", "open"), ("pub", "open")]
+    assert out["test"] == [("priv", "new")]
+    assert removed.public == {"train": 1, "test": 1} and removed.private == {"train": 1, "test": 1}
+    assert "removed 1 train, 1 test public posts" in removed.line()
+    everything, removed = data.dedupe(corpus, None)  # part = all: every post private, repeats removed
+    assert [t for _, t in everything["train"]] == ["shared  text", "mine", "open"] and removed.public == {"train": 0, "test": 0}
+
+
+def test_the_shared_archives_cross_posts_and_repeats_are_removed():
+    """On the shared 20 Newsgroups archive with the presets' public groups (docs/lm.md's counts)."""
+    from pathlib import Path
+
+    from omegaconf import OmegaConf
+
+    archive = Path(__file__).resolve().parents[2] / "shared" / "data" / "20news-bydate.tar.gz"
+    if not archive.is_file():
+        pytest.skip(f"no shared archive at {archive}")
+    root = Path(__file__).resolve().parents[1]
+    groups = tuple(OmegaConf.load(root / "conf/lm/dataset/newsgroups_posts.yaml").public_groups)
+    corpus = data.read_groups(archive)
+    _, removed = data.dedupe(corpus, groups)
+    assert removed.public == {"train": 5, "test": 6} and removed.private == {"train": 13, "test": 2}
+    _, removed = data.dedupe(corpus, None)
+    assert removed.private == {"train": 40, "test": 30}
+    public, private = data.side(corpus, groups, "public"), data.side(corpus, groups, "private")
+    assert [len(public[s]) for s in data.SPLITS] == [5623, 3740] and [len(private[s]) for s in data.SPLITS] == [5631, 3752]
+    pub = {data.message(t) for s in data.SPLITS for t in public[s]}
+    assert not pub & {data.message(t) for s in data.SPLITS for t in private[s]}
+    seen = [data.message(t) for s in data.SPLITS for t in private[s]]
+    assert len(seen) == len(set(seen))

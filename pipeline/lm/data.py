@@ -27,6 +27,17 @@ the assignment unused). A side's test posts are put in round-robin order over it
 post of each group in the tarball's order of groups, then the second, ...): the tarball holds them
 group by group, and a count of them (``dataset.eval_posts``) then takes an equal share of every group
 (with ``all`` they stay in the tarball's order: the first 150 test posts are all of alt.atheism).
+
+**One message, one side, one privacy unit** (``dedupe``). A message cross-posted to several groups is
+in each group's folder; the bydate archive keeps no Message-ID, so a message is known by its cleaned
+text, runs of white space made one (``message``). A message on the private side (in any private
+group, either split) is private: its copies in public groups are removed from every public split,
+so neither the pretraining nor the public vocabulary reads it; a message that occurs more than once
+on the private side is one example, its first occurrence (train before test, the tarball's order)
+kept. With ``part = all`` every post is private, and repeats are removed the same way. On the shared
+archive with the presets' public groups: 5 public train-split and 6 public test posts removed (copies
+of private messages), 13 private train-split and 2 private test repeats; with ``part = all``, 40
+train-split and 30 test repeats (``tests/test_lm_data.py``; the data phase logs the counts).
 """
 
 from __future__ import annotations
@@ -190,7 +201,7 @@ def side(corpus: dict[str, list[tuple[str, str]]], public_groups: tuple[str, ...
     if part not in PARTS:
         raise DataError(f"dataset.part {part!r} is unknown; known: {list(PARTS)}")
     if part == "all":
-        return texts(corpus)
+        return texts(dedupe(corpus, None)[0])
     if public_groups is None:
         raise DataError(f"dataset.part = {part!r} needs dataset.public_groups (the assignment of the groups to the "
                         f"public side), got null")
@@ -199,6 +210,7 @@ def side(corpus: dict[str, list[tuple[str, str]]], public_groups: tuple[str, ...
     if absent:
         raise DataError(f"dataset.public_groups: {absent[0]!r} has no posts in the archive")
     public = set(public_groups)
+    corpus, _ = dedupe(corpus, public_groups)
     out = {}
     for split, posts in corpus.items():
         kept = [(g, text) for g, text in posts if (g in public) == (part == "public")]
@@ -206,6 +218,51 @@ def side(corpus: dict[str, list[tuple[str, str]]], public_groups: tuple[str, ...
             raise DataError(f"dataset.part = {part!r}: the {part} groups have no {split} posts in the archive")
         out[split] = [text for _, text in kept] if split == "train" else round_robin(kept)
     return out
+
+
+def message(text: str) -> str:
+    """A message's identity: its cleaned text with every run of white space made one space."""
+    return " ".join(text.split())
+
+
+@dataclass(frozen=True)
+class Removed:
+    """What ``dedupe`` removed, per split: public posts whose message is private, private repeats."""
+    public: dict[str, int]
+    private: dict[str, int]
+
+    def line(self) -> str:
+        pub = ", ".join(f"{n} {split}" for split, n in self.public.items())
+        rep = ", ".join(f"{n} {split}" for split, n in self.private.items())
+        return f"removed {pub} public posts that are private messages; {rep} private repeats"
+
+
+def dedupe(corpus: dict[str, list[tuple[str, str]]], public_groups: tuple[str, ...] | None
+           ) -> tuple[dict[str, list[tuple[str, str]]], Removed]:
+    """``read_groups``' corpus with one side per message and one example per private message (the
+    module's docstring): public posts whose message is also on the private side removed, and each
+    private message kept at its first occurrence (train before test); ``public_groups`` None: every
+    post is private. Returns the corpus and the counts removed."""
+    public = set(public_groups or ())
+    private = {message(text) for posts in corpus.values() for g, text in posts if g not in public}
+    seen: set[str] = set()
+    out, gone_public, gone_private = {}, {}, {}
+    for split in SPLITS:
+        kept, gone_public[split], gone_private[split] = [], 0, 0
+        for g, text in corpus[split]:
+            key = message(text)
+            if g in public:
+                if key in private:
+                    gone_public[split] += 1
+                    continue
+            elif key in seen:
+                gone_private[split] += 1
+                continue
+            else:
+                seen.add(key)
+            kept.append((g, text))
+        out[split] = kept
+    return out, Removed(public=gone_public, private=gone_private)
 
 
 def round_robin(posts: list[tuple[str, str]]) -> list[str]:

@@ -10,6 +10,7 @@ is paired).
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass
 
@@ -18,6 +19,8 @@ import torch
 
 from pipeline import progress
 from pipeline.lm import config, data, examples, pretrained, streams, vocab
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -73,6 +76,9 @@ def _prepare(s, seed: int) -> Prepared:
     with progress.Progress("preparing data", total=3) as bar:  # seconds to minutes: the vocabulary and the encoding
         bar.start("posts: reading and splitting")
         corpus = data.read_cached(str(data.resolve(s.archive)), public_groups=s.public_groups, part=s.part)
+        _, removed = data.dedupe(data.read_groups_cached(str(data.resolve(s.archive))),
+                                 s.public_groups if s.part != "all" else None)
+        log.info("posts: one message, one side, one privacy unit: %s", removed.line())
         posts = data.split(corpus, valid_fraction=s.valid_fraction, seed=streams.seed_of(seed, "split"))
         train = posts.train[: s.posts] if s.posts else posts.train
         valid = posts.valid[: s.eval_posts] if s.eval_posts else posts.valid
