@@ -57,12 +57,12 @@ def main(argv: list[str] | None = None) -> dict:
         first = dp.epoch()                                       # one epoch of logical steps, in chunks of 8
         dp.save(Path(tmp) / "ckpt.pt")                           # model, optimizer, streams, accountant
         print(f"epoch 1: loss {first.loss:.3f}, eps spent so far {dp.eps_spent():.3f}")
-        rest = dp.fit()                                          # the epochs the plan has left
+        rest = dp.fit(log_every=None)                            # the epochs the plan has left (silent: we print)
         print(f"epoch {args.epochs}: loss {rest[-1].loss:.3f}, eps spent {dp.eps_spent():.3f} at delta = 1e-5")
 
         again = gpt2()                                           # a new process would do this: same settings,
         resumed = DPSGD(again, data, loss_fn, **settings).load(Path(tmp) / "ckpt.pt")  # then load
-        resumed.fit()
+        resumed.fit(log_every=None)
     equal = all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), again.state_dict().values()))
     print(f"resumed from epoch 1's checkpoint: the same weights as the uninterrupted run: {equal}")
     return {"ties": dp.trainer.engine.ties(), "steps": dp.steps_done, "eps_spent": dp.eps_spent(),

@@ -49,6 +49,9 @@ def duration(seconds: float) -> str:
     return f"{hours} h {minutes} min"
 
 
+HEARTBEAT = 10.0  # seconds: the longest a log goes without a line inside an item (``Progress.note``)
+
+
 class Progress:
     """``total`` items (phases, variants) of a task called ``title``: ``start(label)`` at the
     beginning of each, ``close()`` (or the ``with`` block's end) when the last is done."""
@@ -64,6 +67,7 @@ class Progress:
         self.done = 0  # items finished (every started one but the current)
         self.current: str | None = None
         self.closed = False
+        self._heard = self.began  # the last line a log was given (``note``)
         self._bar = None
         if self.terminal:
             from tqdm import tqdm
@@ -99,6 +103,7 @@ class Progress:
 
     def start(self, label: str) -> None:
         """The next item begins (the one before it, if any, is done)."""
+        self._heard = self.clock()
         if self.current is not None:
             self.done += 1
             if self._bar is not None:
@@ -110,10 +115,14 @@ class Progress:
             log.info("%s", self.line(label))
 
     def note(self, text: str) -> None:
-        """What the current item is doing now (``training``, ``scoring``): on a terminal only, so a
-        log gets one line per item."""
+        """What the current item is doing now (``training``, ``scoring``, ``step 5/40``): on a terminal
+        in the updating line; in a log, a line at most every ``HEARTBEAT`` seconds, so that a long item
+        (an epoch, a training) is never a silent minute."""
         if self._bar is not None:
             self._bar.set_postfix_str(f"{self.current}: {text}" if self.current else text)
+        elif self.clock() - self._heard >= HEARTBEAT:
+            self._heard = self.clock()
+            log.info("%s: %s (%s so far)", self.title, text, duration(self.elapsed()))
 
     def write(self, text: str) -> None:
         """A result line: above the updating line on a terminal, a plain print otherwise."""

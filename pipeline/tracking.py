@@ -250,6 +250,17 @@ def ui_address(cfg: DictConfig, run_id: str) -> str:
     return f"{page}  (after: mlflow ui --backend-store-uri {mlflow.get_tracking_uri()})"
 
 
+def experiment_address(cfg: DictConfig) -> str | None:
+    """The page of ``cfg``'s experiment in the UI (its runs table), with ``ui_address``'s note for a
+    local store; None where the experiment is not in the store (nothing was recorded)."""
+    experiment = mlflow.get_experiment_by_name(cfg.mlflow.experiment)
+    if experiment is None:
+        return None
+    base, served = _ui_base(cfg)
+    page = f"{base}/#/experiments/{experiment.experiment_id}?workflowType=machine_learning"
+    return page if served else f"{page}  (after: mlflow ui --backend-store-uri {mlflow.get_tracking_uri()})"
+
+
 def run_links(cfg: DictConfig, run_ids) -> dict[str, str]:
     """Each run's page in the UI (``ui_address``'s link, without its note), for the sweep report's
     cells table; a run the store cannot find gets none."""

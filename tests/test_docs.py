@@ -64,8 +64,11 @@ def test_readme_is_one_screen_about_the_present_and_starts_with_two_commands():
     assert len(readme.splitlines()) <= 200, len(readme.splitlines())
     block = readme.split("```bash\n", 1)[1].split("```", 1)[0]
     commands = [line.split("#")[0].strip() for line in block.splitlines() if line.split("#")[0].strip()]
-    assert commands == ['pip install -e ".[dev]" && python -m pipeline',
-                        "python -m pytest -n auto --dist loadgroup --durations=25"], commands
+    assert commands == ['python3 -m venv .venv && . .venv/bin/activate && pip install -e ".[dev]" && python -m pipeline',
+                        '. .venv/bin/activate && python -m pytest -m "not slow" -n auto --dist loadgroup'], commands
+    assert "../shared" in block.splitlines()[0]  # where the data and the papers come from, before anything runs
+    ci = (ROOT / ".ci" / "run").read_text()  # CI runs the rest: every test runs somewhere
+    assert "python -m pytest -m slow -n auto --dist loadgroup" in ci
     headings = re.findall(r"^## (.+)$", readme, re.M)
     assert headings == ["A five-minute tour", "Results at a glance", "Where to read more", "Privacy assumptions"], headings
     for past in ("this release", "Before this", "until this", "earlier release", "used to"):

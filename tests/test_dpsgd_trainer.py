@@ -272,6 +272,23 @@ def _lm_data(n: int = 40):
     return rows, mask
 
 
+def test_fit_says_its_epochs_and_steps_as_it_goes(capsys):
+    """fit() prints a line per epoch (steps, loss, clipping norm, eps spent against the target) and, with
+    log_every=0, every step reached inside an epoch; log_every=None prints nothing. It returns one Epoch
+    per epoch trained."""
+    rows, mask = _lm_data()
+    kw = dict(eps=4.0, delta=1e-5, batch_size=10, epochs=2, C=1.0, lr=1e-2, max_physical_batch=4, seed=3)
+    epochs = dpsgd.DPSGD(_gpt2(True), (rows, mask), examples.example_losses, **kw).fit(log_every=0)
+    out = capsys.readouterr().out.splitlines()
+    assert len(epochs) == 2 and all(isinstance(e, dpsgd.Epoch) for e in epochs)
+    ends = [line for line in out if line.startswith("DPSGD: epoch")]
+    assert [line.split(":")[1].strip() for line in ends] == ["epoch 1/2", "epoch 2/2"]
+    assert "8/8 steps" in ends[-1] and "of 4" in ends[-1] and f"loss {epochs[-1].loss:.4g}" in ends[-1]
+    assert sum(line.startswith("DPSGD: step") for line in out) == 8
+    dpsgd.DPSGD(_gpt2(True), (rows, mask), examples.example_losses, **kw).fit(log_every=None)
+    assert capsys.readouterr().out == ""
+
+
 def test_the_public_door_trains_counts_its_eps_and_resumes_bit_for_bit(tmp_path):
     """DPSGD: a plan at the target eps, the steps it allows, the eps spent so far (0 before a step,
     the target's after the last), and a checkpoint after the first epoch from which a new trainer

@@ -69,3 +69,21 @@ def test_is_a_terminal_reads_the_stream():
     assert progress.on_terminal(io.StringIO()) is False
     assert progress.duration(5) == "5.0 s" and progress.duration(75) == "1 min 15 s"
     assert progress.duration(3725) == "1 h 2 min"
+
+
+def test_a_long_item_says_where_it_is_every_ten_seconds_in_a_log(caplog):
+    """Inside one item (an epoch of many steps) a log gets a line at most every HEARTBEAT seconds from
+    note(), none more often: a 37 s epoch is no longer silent (issue 73)."""
+    clock = Clock()
+    caplog.set_level(logging.INFO, logger="pipeline.progress")
+    with progress.Progress("train", total=1, unit="epoch", terminal=False, clock=clock) as bar:
+        bar.start("epoch 1/1")
+        for step in range(40):  # a step a second
+            clock.now = float(step)
+            bar.note(f"step {step + 1}/40")
+        clock.now = 40.0
+    lines = [r.getMessage() for r in caplog.records]
+    assert lines[0] == "train: 1/1 epoch 1/1 (0.0 s so far)"
+    assert lines[1:-1] == ["train: step 11/40 (10 s so far)", "train: step 21/40 (20 s so far)",
+                           "train: step 31/40 (30 s so far)"]
+    assert lines[-1] == "train: 1 epoch done in 40 s"

@@ -43,7 +43,19 @@ def run(cfg: DictConfig):
     preflight callback, ``Task.audit_devices``, before Hydra made the folder)."""
     task = tasks.get(cfg)
     scope(cfg, task)
-    return task.audit(cfg)
+    found = task.audit(cfg)
+    if plan_only(cfg):
+        return found
+    from pipeline import tracking
+
+    if (page := tracking.experiment_address(cfg)) is not None:  # where the audit's runs are (one per audited mechanism)
+        print(f"MLflow: the audit's runs (kind=audit) in experiment {cfg.mlflow.experiment!r}: {page}", flush=True)
+    return found
+
+
+def plan_only(cfg: DictConfig) -> bool:
+    """Whether this audit only printed its plan (nothing recorded)."""
+    return bool((cfg.get("audit") or {}).get("plan_only"))
 
 
 @hydra.main(version_base="1.3", config_path=CONF, config_name="audit")

@@ -306,7 +306,6 @@ class PhantomClipping:
                 # it (MobileBERT's head multiplies by its decoder's weight) is read with it (``_adopt``)
                 found[module], how[module], reads[module] = [], "host", []
                 continue
-            kind = f"{type(module).__module__}.{type(module).__qualname__}"
             held = [f"{name}.{k}" if name else k for k, _ in own]
             if isinstance(module, parametrize.ParametrizationList):
                 layer, _, tensor = name.rpartition(".parametrizations.")

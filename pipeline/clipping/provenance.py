@@ -810,7 +810,6 @@ class Provenance(TorchDispatchMode):
     def _index(self, t, indices, out):
         """``x[i, j]`` with index tensors (advanced indexing): the indexed dimensions are replaced by the
         broadcast shape of the indices, in place when they are adjacent, first otherwise."""
-        nd = t.dim()
         at = [k for k, i in enumerate(indices) if i is not None]
         if any(i.dtype == torch.bool for i in indices if i is not None):
             tv = self.get(t)

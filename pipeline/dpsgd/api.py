@@ -88,7 +88,7 @@ class DPSGD:
             raise ValueError(f"C must be a positive finite number, got {C!r}")
         self.plan = planning.plan(n=n, batch_size=batch_size, epochs=epochs, eps=float(eps), delta=float(delta),
                                   accountant=accountant)
-        self.model, self.data = model, tuple(tensors)
+        self.model, self.data, self.eps = model, tuple(tensors), float(eps)
         device = next(model.parameters()).device
         single = not isinstance(data, (tuple, list))
 
@@ -122,13 +122,36 @@ class DPSGD:
             raise RuntimeError(f"the plan's {self.plan.steps} steps leave no whole epoch")
         return self.trainer.epoch()
 
-    def fit(self, on_epoch: Callable[[int, Epoch], None] | None = None) -> list[Epoch]:
-        """The epochs the plan has left; ``on_epoch(epoch, Epoch)`` after each (save a checkpoint there)."""
-        out = []
-        while self.trainer.steps_done + self.plan.steps_per_epoch <= self.plan.steps:
-            out.append(self.trainer.epoch())
+    def fit(self, on_epoch: Callable[[int, Epoch], None] | None = None, *, log_every: float | None = 10.0
+            ) -> list[Epoch]:
+        """Train the epochs the plan has left and return them, one ``Epoch`` each (its mean loss, mean
+        clipping norm per sampled example and examples sampled), in order. ``on_epoch(epoch, Epoch)``
+        after each (save a checkpoint there). ``log_every``: progress on standard output: a line per
+        epoch (steps, loss, mean clipping norm, eps spent so far, elapsed time) and, inside a long
+        epoch, the step reached at most every ``log_every`` seconds; None prints nothing."""
+        import time
+
+        from pipeline.progress import duration
+
+        out, start = [], time.monotonic()
+        last = [start]
+        total, per = self.plan.steps, self.plan.steps_per_epoch
+
+        def tick(done: int) -> None:
+            if time.monotonic() - last[0] >= log_every:
+                last[0] = time.monotonic()
+                print(f"DPSGD: step {done + 1}/{total} ({duration(last[0] - start)} so far)", flush=True)
+
+        while self.trainer.steps_done + per <= total:
+            out.append(self.trainer.epoch(before_step=tick if log_every is not None else None))
+            done = self.trainer.steps_done
+            if log_every is not None:
+                last[0] = time.monotonic()
+                print(f"DPSGD: epoch {done // per}/{total // per}: {done}/{total} steps, loss {out[-1].loss:.4g}, mean "
+                      f"clipping norm {out[-1].mean_norm:.3g}, eps spent {self.eps_spent():.3g} of {self.eps:g} "
+                      f"({duration(last[0] - start)})", flush=True)
             if on_epoch is not None:
-                on_epoch(self.trainer.steps_done // self.plan.steps_per_epoch, out[-1])
+                on_epoch(done // per, out[-1])
         return out
 
     def eps_spent(self) -> float:
