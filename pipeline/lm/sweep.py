@@ -42,7 +42,7 @@ import pandas as pd
 from omegaconf import DictConfig, OmegaConf
 
 from pipeline import report as reporting
-from pipeline import sweep
+from pipeline import intervals, sweep
 from pipeline.lm import cell, plot
 from pipeline.lm.evaluate import BUCKETS
 
@@ -50,7 +50,7 @@ log = logging.getLogger(__name__)
 
 REFERENCES = ("unigram", "unigram_dp")
 PUBLIC_ONLY = "pretrained"  # results.csv's method of the public-only model (a fine-tuning's start, evaluated before it)
-LEVEL = 0.95
+LEVEL = intervals.LEVEL  # the paired intervals' level (pipeline.intervals)
 
 
 def public_only(tying: str) -> str:
@@ -125,17 +125,9 @@ def table(results: pd.DataFrame, picks: pd.DataFrame) -> pd.DataFrame:
 
 def t_interval(gain: pd.Series) -> tuple[int, float, float, float]:
     """(n, mean, low, high) of per-seed gains (NaN dropped): the mean and its ``LEVEL`` Student-t
-    interval; no interval (NaN) below 2 seeds."""
-    from scipy import stats
-
-    gain = gain.dropna()
-    n = len(gain)
-    mean = float(gain.mean()) if n else math.nan
-    low = high = math.nan
-    if n >= 2:
-        half = float(stats.t.ppf(0.5 + LEVEL / 2, n - 1) * gain.std(ddof=1) / math.sqrt(n))
-        low, high = mean - half, mean + half
-    return n, mean, low, high
+    interval (``pipeline.intervals``); no interval (NaN) below 2 seeds."""
+    found = intervals.student_t(gain, LEVEL)
+    return found.n, found.mean, found.low, found.high
 
 
 def _paired(results: pd.DataFrame, picks: pd.DataFrame, column: str, labels=("reproduced", "contradicted"),

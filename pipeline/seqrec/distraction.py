@@ -43,7 +43,6 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
 import pandas as pd
 import torch
 from omegaconf import DictConfig, OmegaConf
@@ -165,7 +164,7 @@ def summary(results: pd.DataFrame, blocks: int) -> pd.DataFrame:
     mass's uniform-attention level (``<mass>_uniform``) and the share of the way from the clean
     model's mass to it that the row's mean moved (``<mass>_to_uniform``: 0 none, 1 all the way to
     chance, above 1 past it)."""
-    from scipy import stats
+    from pipeline import intervals
 
     clean = results[results.variant == "clean"].iloc[0]
     last = f"b{blocks}"
@@ -175,7 +174,7 @@ def summary(results: pd.DataFrame, blocks: int) -> pd.DataFrame:
         row = {"noise": noise, "eps": eps, "variant": variant, "draws": len(group)}
         for name, col in cols.items():
             x = group[col].to_numpy(dtype=float)
-            half = stats.t.ppf(0.975, len(x) - 1) * x.std(ddof=1) / np.sqrt(len(x)) if len(x) > 1 else math.nan
+            half = intervals.student_t(x, 0.95).half
             row |= {name: x.mean(), f"{name}_ci": half, f"{name}_clean": float(clean[col])}
             if name != "ndcg":  # chance, and the share of the way from the clean model's mass to it
                 level = float(clean[f"uniform_{name}"])

@@ -33,7 +33,7 @@ import pandas as pd
 from omegaconf import DictConfig, OmegaConf
 
 from pipeline import report as reporting
-from pipeline import sweep
+from pipeline import intervals, sweep
 from pipeline.seqrec import cell, plot, train, tuning
 from pipeline.seqrec.evaluate import BASELINES
 from pipeline.seqrec.plot import NON_PRIVATE, label
@@ -116,7 +116,6 @@ def gains(results: pd.DataFrame, long: pd.DataFrame, k: int, paper: float, level
     wholly below ``paper`` (a gain, but it excludes the claim: +1.1% [+0.75%, +1.52%] against +20%);
     ``contradicted`` where it does not lie above 0 and lies wholly below ``paper``; else
     ``inconclusive``; fewer than 2 paired seeds: no interval, ``inconclusive``."""
-    from scipy import stats
 
     test = results[(results["split"] == "test") & (results["clipping"] != "none")]
     shown = long[long["model"] != "popular"].set_index(["model", "eps"])
@@ -134,13 +133,8 @@ def gains(results: pd.DataFrame, long: pd.DataFrame, k: int, paper: float, level
                            & (test["batch_size"] == at["batch_size"])]
                 per_seed.append(sel.groupby("seed")[f"ndcg{k}"].mean())
             paired = pd.concat(per_seed, axis=1, keys=["v", "t"]).dropna()
-            g = paired["v"] / paired["t"] - 1
-            n = len(g)
-            mean = float(g.mean()) if n else math.nan
-            low = high = math.nan
-            if n >= 2:
-                half = float(stats.t.ppf(0.5 + level / 2, n - 1) * g.std(ddof=1) / math.sqrt(n))
-                low, high = mean - half, mean + half
+            found = intervals.student_t(paired["v"] / paired["t"] - 1, level)
+            n, mean, low, high = found.n, found.mean, found.low, found.high
             if n >= 2 and low > 0:
                 verdict = "reproduced" if high >= paper else "smaller than claimed"
             elif n >= 2 and high < paper:
