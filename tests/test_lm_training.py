@@ -118,6 +118,24 @@ def test_the_unigram_models():
         unigram.fit_private(rows, mask, V, eps=math.inf, delta=1e-5, generator=torch.Generator())
 
 
+def test_under_post_window_the_references_count_every_reachable_target_and_a_post_moves_them_by_one():
+    """A random window can start anywhere in a post: every token after a post's first is a target the
+    training can reach (``examples.windows_of``), which the unigram model and the buckets count; the DP
+    unigram normalises a post's histogram over all its windows, so one post adds L1 norm 1 (and L2 at
+    most 1) whatever its length; with one row per post it is the per-row histogram, bit for bit."""
+    long = [[1 + (i * 7 + k) % 30 for k in range(23)] + [EOS] for i in range(3)]  # 24 tokens: several windows of L = 5
+    rows, mask, post = examples.windows_of(long, 5, EOS)
+    assert rows.shape[0] > len(long) and post.tolist() == sorted(post.tolist()) and set(post.tolist()) == {0, 1, 2}
+    assert int(mask.sum()) == sum(len(p) - 1 for p in long)  # every token after each post's first, once
+    V = 40
+    for i in range(len(long)):
+        h = unigram._histograms(rows[post == i], mask[post == i], V, normalise=True, post=post[post == i] - i)
+        assert float(h.sum()) == pytest.approx(1.0) and float(h.norm()) <= 1.0 + 1e-12
+    first, first_mask = examples.training_rows(POSTS, L=5, eos_id=EOS)
+    assert torch.equal(unigram._histograms(first, first_mask, V, normalise=True),
+                       unigram._histograms(first, first_mask, V, normalise=True, post=torch.arange(first.shape[0])))
+
+
 def test_the_plan_splits_the_budget_with_the_vocabulary():
     alone = train.plan(n_posts=1000, batch_size=100, epochs=3, eps=4.0, delta=1e-5, private=True, vocab_share=0.0)
     shared = train.plan(n_posts=1000, batch_size=100, epochs=3, eps=4.0, delta=1e-5, private=True, vocab_share=0.25)

@@ -108,7 +108,8 @@ def run(cfg: DictConfig, s: config.Settings) -> Path:
         tracking.log_params("model", {"parameters": models.parameters(model),
                                       **({"init": str(start_from)} if start_from is not None else {})})
         valid = {"valid": prep.splits["valid"]}
-        bucket_of = evaluate.buckets(prep.rows, prep.mask, prep.V)
+        reach_rows, reach_mask, reach_post = prep.reach  # every target the training can reach
+        bucket_of = evaluate.buckets(reach_rows, reach_mask, prep.V)
         # the public-only model: the pretrained weights on the same private posts, before any of them is trained on
         public_only = [] if start_from is None else [
             row | {"method": "pretrained"} for row in evaluate.model_rows(model, prep.splits, bucket_of, s.eval_batch)]
@@ -150,8 +151,8 @@ def run(cfg: DictConfig, s: config.Settings) -> Path:
         rows = last_valid or evaluate.model_rows(model, valid, bucket_of, s.eval_batch)
         rows += evaluate.model_rows(model, {"test": prep.splits["test"]}, bucket_of, s.eval_batch)
         dp_eps, dp_delta = config.dpsgd_budget(s)
-        rows += evaluate.reference_rows(prep.rows, prep.mask, prep.V, prep.splits, bucket_of, eps=dp_eps,
-                                        delta=dp_delta, seed=s.seed)
+        rows += evaluate.reference_rows(reach_rows, reach_mask, prep.V, prep.splits, bucket_of, eps=dp_eps,
+                                        delta=dp_delta, seed=s.seed, post=reach_post)
         rows += public_only
         peak = device.peak_memory_gb(dev)
         if peak is not None:

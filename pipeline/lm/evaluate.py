@@ -54,12 +54,14 @@ def model_rows(model, splits: dict[str, tuple[torch.Tensor, torch.Tensor]], buck
 
 def reference_rows(train_rows: torch.Tensor, train_mask: torch.Tensor, V: int,
                    splits: dict[str, tuple[torch.Tensor, torch.Tensor]], bucket_of: torch.Tensor, *,
-                   eps: float, delta: float, seed: int) -> list[dict]:
-    """The unigram rows (and the DP unigram's where eps is finite) on each split."""
+                   eps: float, delta: float, seed: int, post: torch.Tensor | None = None) -> list[dict]:
+    """The unigram rows (and the DP unigram's where eps is finite) on each split, fitted on every
+    target the training can reach (``Prepared.reach``: ``post`` the post of each row)."""
     models = {"unigram": unigram.fit(train_rows, train_mask, V)}
     if math.isfinite(eps):
         gen = torch.Generator().manual_seed(streams.seed_of(seed, "unigram"))  # its own stream: not DP-SGD's
-        models["unigram_dp"], _ = unigram.fit_private(train_rows, train_mask, V, eps=eps, delta=delta, generator=gen)
+        models["unigram_dp"], _ = unigram.fit_private(train_rows, train_mask, V, eps=eps, delta=delta, generator=gen,
+                                                      post=post)
     out = []
     for name, logp in models.items():
         for split, (r, m) in splits.items():

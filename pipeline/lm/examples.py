@@ -85,8 +85,14 @@ def windows(ids: list[list[int]], L: int, eos_id: int) -> tuple[torch.Tensor, to
     """Every post cut into windows of L + 1 tokens, consecutive windows sharing one token: (w, L + 1)
     ids and the (w, L) mask of the targets each window predicts (each token after a post's first
     exactly once)."""
-    rows, masks = [], []
-    for post in ids:
+    rows, mask, _ = windows_of(ids, L, eos_id)
+    return rows, mask
+
+
+def windows_of(ids: list[list[int]], L: int, eos_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``windows``, with the (w,) index of the post each window comes from."""
+    rows, masks, post_of = [], [], []
+    for i, post in enumerate(ids):
         for start in range(0, max(len(post) - 1, 1), L):
             piece = post[start : start + L + 1]
             if len(piece) < 2:
@@ -94,7 +100,9 @@ def windows(ids: list[list[int]], L: int, eos_id: int) -> tuple[torch.Tensor, to
             row = piece + [eos_id] * (L + 1 - len(piece))
             rows.append(row)
             masks.append([True] * (len(piece) - 1) + [False] * (L + 1 - len(piece)))
-    return torch.tensor(rows, dtype=torch.long).reshape(-1, L + 1), torch.tensor(masks, dtype=torch.bool).reshape(-1, L)
+            post_of.append(i)
+    return (torch.tensor(rows, dtype=torch.long).reshape(-1, L + 1), torch.tensor(masks, dtype=torch.bool).reshape(-1, L),
+            torch.tensor(post_of, dtype=torch.long))
 
 
 def _wide(logits: torch.Tensor) -> torch.Tensor:

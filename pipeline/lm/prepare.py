@@ -34,8 +34,10 @@ class Prepared:
     stats: dict[str, float]
     released: int  # pieces the private selection released (0 for a public vocabulary)
     posts: object = None  # dataset.examples=post_window: every training post's tokens (examples.Posts), drawn from
-                          # in training; rows and mask still hold each post's first L + 1 tokens (counts, buckets and
-                          # the unigram references read them)
+                          # in training; rows and mask still hold each post's first L + 1 tokens
+    reach: tuple | None = None  # (rows, mask, post of each row): every target the training can reach, which the buckets
+                                # and the unigram references count: rows and mask themselves (a post's first L + 1
+                                # tokens, or every window), or under post_window every token after each post's first
 
 
 _MEMO: dict[tuple, Prepared] = {}
@@ -111,12 +113,15 @@ def _prepare(s, seed: int) -> Prepared:
         bar.start(f"encoding: {len(train) + len(valid) + len(test)} posts into rows of L = {s.L}")
         eos = tokenizer.token_to_id(vocab.EOS)
         train_ids = examples.encode(train, tokenizer, eos)
+        reach = None
         if s.examples == "windows":  # public pretraining: every window of every post (a post is several examples)
-            rows, mask = examples.windows(train_ids, s.L, eos)
+            rows, mask, post_of = examples.windows_of(train_ids, s.L, eos)
+            reach = (rows, mask, post_of)
         else:  # one post, one example (the privacy unit): its first L + 1 tokens, or a random window of it a step
             rows, mask = examples.training_rows(train_ids, s.L, eos)
             if s.examples == "post_window":
                 found_posts = examples.posts(train_ids, s.L, eos)
+                reach = examples.windows_of(train_ids, s.L, eos)  # a window can start anywhere: every target
         splits = {name: examples.windows(examples.encode(texts, tokenizer, eos), s.L, eos)
                   for name, texts in (("valid", valid), ("test", test))}
     stats = {"train_posts": len(train), "valid_posts": len(valid), "test_posts": len(test),
@@ -125,4 +130,7 @@ def _prepare(s, seed: int) -> Prepared:
              "train_examples": int(rows.shape[0]),  # posts, or their windows (dataset.examples=windows)
              "released_pieces": released,  # the share of training posts longer than an example (their tails unread)
              "truncated_share": float(np.mean([len(t) > s.L + 1 for t in train_ids])) if train_ids else math.nan}
-    return Prepared(tokenizer, eos, tokenizer.get_vocab_size(), rows, mask, splits, stats, released, found_posts)
+    if reach is None:  # one post, one example: its first L + 1 tokens are all the training reads
+        reach = (rows, mask, torch.arange(rows.shape[0]))
+    stats["reachable_targets"] = int(reach[1].sum())  # what the buckets and the unigram references count
+    return Prepared(tokenizer, eos, tokenizer.get_vocab_size(), rows, mask, splits, stats, released, found_posts, reach)
