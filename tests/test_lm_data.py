@@ -126,3 +126,10 @@ def test_the_shared_archives_cross_posts_and_repeats_are_removed():
     assert not pub & {data.message(t) for s in data.SPLITS for t in private[s]}
     seen = [data.message(t) for s in data.SPLITS for t in private[s]]
     assert len(seen) == len(set(seen))
+
+
+def test_a_tiny_archive_is_refused_naming_the_archive_and_the_fraction():
+    corpus = {"train": ["a", "b", "c"], "test": ["d"]}
+    with pytest.raises(data.DataError, match=r"dataset.valid_fraction = 0.1 leaves no validation post of "
+                                             r"dataset.archive's 3 train-split post\(s\): use a larger archive"):
+        data.split(corpus, valid_fraction=0.1, seed=0)

@@ -284,7 +284,9 @@ def split(corpus: dict[str, list[str]], *, valid_fraction: float, seed: int) -> 
     order = np.random.default_rng(seed).permutation(len(posts))
     n_valid = int(round(valid_fraction * len(posts)))
     if not 0 < n_valid < len(posts):
-        raise DataError(f"dataset.valid_fraction = {valid_fraction!r} leaves no training or no validation post "
-                        f"of {len(posts)}")
+        which = "validation" if n_valid <= 0 else "training"
+        raise DataError(f"dataset.valid_fraction = {valid_fraction!r} leaves no {which} post of dataset.archive's "
+                        f"{len(posts)} train-split post(s): use a larger archive"
+                        + ("" if len(posts) < 2 else " or another fraction"))
     return Posts(train=[posts[i] for i in order[n_valid:]], valid=[posts[i] for i in order[:n_valid]],
                  test=list(corpus["test"]))
