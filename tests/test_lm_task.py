@@ -179,6 +179,11 @@ def test_the_paired_gain_its_t_interval_and_the_verdicts():
     assert tied.loc[1.0, "beats_dp_unigram"] is True
     text = sweep.markdown(long, sweep.gains(results, picks), sweep.bucket_gains(results, picks), "tiny")
     assert "106.0 (1.0)* / 10.0" in text and "| 8 | 3 | -6.0% |" in text and "contradicted" in text
+    assert text.startswith("Test perplexity (sd) / accuracy")
+    one = results[results["seed"] == results["seed"].min()]  # one seed: no sd shown, and none announced
+    alone = sweep.markdown(sweep.table(one, sweep.selected(one)), sweep.gains(one, sweep.selected(one)),
+                           sweep.bucket_gains(one, sweep.selected(one)), "tiny")
+    assert alone.startswith("Test perplexity / accuracy") and "(sd)" not in alone
 
 
 def test_cells_of_different_settings_are_never_pooled():

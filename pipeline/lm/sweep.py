@@ -288,7 +288,8 @@ def markdown(long: pd.DataFrame, paired: pd.DataFrame, buckets: pd.DataFrame, sc
              found: pd.DataFrame | None = None) -> str:
     eps = sorted(long["eps"].unique(), key=lambda e: (math.isinf(e), e))
     head = ["model", *(f"eps={eps_label(e)}" for e in eps)]
-    lines = [f"Test perplexity (sd) / accuracy (%) over seeds, {scale}. * : does not beat the DP unigram model "
+    spread = " (sd)" if long["perplexity_sd"].notna().any() else ""  # one seed: no sd to show, none announced
+    lines = [f"Test perplexity{spread} / accuracy (%) over seeds, {scale}. * : does not beat the DP unigram model "
              f"at its eps.\n", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for (setting, model), g in long.groupby(["setting", "model"], sort=False):
         cells = []
@@ -369,8 +370,8 @@ def summarise(config: DictConfig, sweep_id: str, sweep_dir: Path, cells: sweep.C
     frame = long.round(3)
     page = reporting.write_html(sweep_dir / "report.html", f"{name}: {len(cells.done)} cells", sweep.command(),
                                 OmegaConf.to_yaml(shown), frame, figures, runs,
-                                caption="test perplexity and accuracy, mean (sd) over seeds, each model at its learning "
-                                        "rate selected on validation",
+                                caption=(f"test perplexity and accuracy, mean{' (sd)' if long['perplexity_sd'].notna().any() else ''}"
+                                         " over seeds, each model at its learning rate selected on validation"),
                                 swept=reporting.grid(overrides), tables=gain_tables(paired, buckets, found),
                                 captions=plot.captions(fine_tuned=bool(len(found))),
                                 **sweep.report_links(config, cells))
