@@ -31,6 +31,7 @@ make a violation.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -334,6 +335,12 @@ def _largest_eps_rejected(m: int, counts: list[tuple[int, int, int]], alpha: flo
     return tradeoff.curve(sample_rate, math.exp(hi), steps).epsilon(delta)
 
 
+@functools.lru_cache(maxsize=16)
+def _ceiling(m: int, perfect: tuple, alpha: float, sample_rate: float, steps: int, delta: float) -> float:
+    """``_largest_eps_rejected`` for every guess right: the same for every row of a stage (once per process)."""
+    return _largest_eps_rejected(m, list(perfect), alpha, sample_rate, steps, delta)
+
+
 def fdp_test(scores: np.ndarray, included: np.ndarray, *, sample_rate: float, sigma: float, steps: int, delta: float,
              confidence: float = 0.95, guesses: tuple[int, ...] | None = None, sides: str = "two",
              proved: bool = True, ceiling: bool = True) -> FDPTest:
@@ -361,8 +368,8 @@ def fdp_test(scores: np.ndarray, included: np.ndarray, *, sample_rate: float, si
     p = min(1.0, ps[best] * len(guesses))
     nan = float("nan")
     eps = _largest_eps_rejected(m, counts, alpha, sample_rate, steps, delta) if proved else nan
-    perfect = [(kp, km, kp + km) for kp, km, _ in counts]
-    top = _largest_eps_rejected(m, perfect, alpha, sample_rate, steps, delta) if proved and ceiling else nan
+    perfect = tuple((kp, km, kp + km) for kp, km, _ in counts)
+    top = _ceiling(m, perfect, alpha, float(sample_rate), int(steps), float(delta)) if proved and ceiling else nan
     kp, km, v = counts[best]
     return FDPTest(p_value=p, rejected=p <= 1 - confidence, eps_proved=eps, eps_ceiling=top, m=m, k_plus=kp,
                    k_minus=km, correct=v, candidates=len(guesses))

@@ -61,12 +61,15 @@ overwhelming probability, not by construction).
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 from pathlib import Path
 
 import numpy as np
 
 from pipeline.audit import one_run
+
+log = logging.getLogger(__name__)
 VARIANTS = ("engine", "noise_halved", "sampling_doubled", "accountant_tenth", "no_noise", "resume_reuses_noise")
 CANARIES = ("dirac", "input")
 
@@ -313,6 +316,8 @@ def score(scores: np.ndarray, included: np.ndarray, *, variant: str, canaries: s
     verdict, whatever the power."""
     m = len(scores)
     guesses = guesses or default_guesses(m)
+    log.info("scoring %s:%s (m = %d): the proofs and estimates, then the power (three simulated runs at %g times the "
+             "claim) and the sanity check", variant, canaries, m, power_factor)
     linear = np.asarray(scores, dtype=np.float64)
     primary = white_box.llr_scores() if white_box is not None else linear
     main = tests(primary, included, claimed=claimed, delta=delta, confidence=confidence, guesses=guesses)
