@@ -174,15 +174,11 @@ def one_run_bound(scores: np.ndarray, included: np.ndarray, *, delta: float, con
     if any(not 0 < k <= m for k in guesses):
         raise ValueError(f"every guess count must lie in [1, {m}], got {guesses}")
     alpha = (1 - confidence) / len(guesses)
-    truth = np.where(included, 1, -1)
     best = None
-    for k in guesses:
-        k_plus = k if sides == "one" else (k + 1) // 2
-        g = guess(scores, k_plus, k - k_plus)
-        v = int(np.sum(g == truth))
-        eps = one_run_eps(m, k, v, delta=delta, alpha=alpha, bound=bound)
+    for k_plus, k_minus, v in _counts(scores, included, guesses, sides):
+        eps = one_run_eps(m, k_plus + k_minus, v, delta=delta, alpha=alpha, bound=bound)
         if best is None or eps > best[0]:
-            best = (eps, k_plus, k - k_plus, v)
+            best = (eps, k_plus, k_minus, v)
     eps, k_plus, k_minus, v = best
     return OneRun(bound=bound, eps_lower=eps, m=m, k_plus=k_plus, k_minus=k_minus, correct=v,
                   eps_ceiling=one_run_ceiling(m, delta=delta, confidence=confidence, guesses=guesses, bound=bound),
@@ -300,6 +296,7 @@ SIGMA_RANGE = (0.2, 100.0)  # the family's noise multipliers searched for eps_pr
 
 
 def _counts(scores: np.ndarray, included: np.ndarray, guesses: tuple[int, ...], sides: str) -> list[tuple[int, int, int]]:
+    """(k_plus, k_minus, correct) for each guess count (``sides``: "two" splits k between the ends, "one" guesses in only)."""
     truth = np.where(included, 1, -1)
     out = []
     for k in guesses:
