@@ -45,6 +45,9 @@ def main(cfg: DictConfig) -> None:
     except OSError as err:
         if err.errno not in FULL or _in_a_sweep():
             raise  # a sweep's cell: Hydra records it FAILED and the sweep goes on
+        from pipeline import preflight
+
+        preflight.forget_run_folder()  # stopped before writing anything: no folder of Hydra's files and a lock
         print(f"error: {full_disk(err)}", file=sys.stderr)
         sys.exit(1)
 
@@ -56,8 +59,10 @@ def full_disk(err: OSError) -> str:
     """One line for a run that the disk stopped: what could not be written, and that a run it hit
     ended FAILED with the reason (pipeline.tracking.run), in place of a chained traceback."""
     where = f" writing {err.filename}" if err.filename else ""
-    return (f"no space left on the device{where} ({err.strerror}); a run it hit ended FAILED with this reason: "
-            f"free some space and launch it again")
+    unrecorded = getattr(sys.modules.get("pipeline.tracking"), "run_unrecorded", None)
+    ended = (f"the store could not record the end of run {unrecorded}: the next launch on this host ends it FAILED"
+             if unrecorded else "a run it hit ended FAILED with this reason")
+    return f"no space left on the device{where} ({err.strerror}); {ended}: free some space and launch it again"
 
 
 def _interrupted(stop: KeyboardInterrupt) -> None:

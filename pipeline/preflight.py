@@ -440,7 +440,8 @@ class PreflightCallback(Callback):
 
 def forget_run_folder() -> None:
     """Remove the folder Hydra made for this single run, refused after Hydra made it (an entry
-    point's own keys, such as the audit's, checked once its task is known), if it holds nothing but
+    point's own keys, such as the audit's, checked once its task is known) or stopped by a full disk
+    before it wrote anything (pipeline.__main__), if it holds nothing but
     Hydra's own files (``.hydra/`` and the job's log), with the parents Hydra made for it up to the
     working folder: a refusal leaves no folder. The callback above refuses the rest before the folder
     exists."""
@@ -453,7 +454,7 @@ def forget_run_folder() -> None:
     except ValueError:  # called outside Hydra (tests)
         return
     folder = Path(hc.runtime.output_dir)
-    own = {".hydra", f"{hc.job.name}.log"}
+    own = {".hydra", f"{hc.job.name}.log", ".run.lock"}  # the lock: this process's own (tracking._hold_run_folder)
     if folder.is_dir() and {p.name for p in folder.iterdir()} <= own:
         logging.shutdown()
         shutil.rmtree(folder, ignore_errors=True)

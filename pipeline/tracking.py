@@ -13,11 +13,15 @@
   signal that arrives during a write acts when the write is done.
 - A sqlite store (MLflow's default ``./mlflow.db``) is created and migrated by one process
   at a time (a file lock next to it), so parallel jobs on a fresh store lose nothing.
+- A store whose disk fills, at the start or during a run, is ``OSError(ENOSPC)`` naming the store
+  (the entry point's one ``error:`` line), never MLflow's chained tracebacks: the run ends FAILED
+  with the reason if the store can still record it, and ``run_unrecorded`` says when it could not.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import functools
 import hashlib
 import json
@@ -46,6 +50,37 @@ HASH_TAG = "config_hash"
 KIND_TAG = "mlflow.experimentKind"
 RECORD = "cell.json"
 TERMINATED = 143  # the exit status of a process stopped by SIGTERM (128 + 15)
+
+
+def _store_full(err: BaseException) -> bool:
+    """Whether ``err`` (or an exception it was raised from) is the store's disk being full: sqlite's
+    "database or disk is full", which MLflow and SQLAlchemy wrap, or an ENOSPC/EDQUOT of its own."""
+    seen = 0
+    while err is not None and seen < 8:
+        if isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        if "database or disk is full" in str(err):
+            return True
+        err, seen = err.__cause__ or err.__context__, seen + 1
+    return False
+
+
+def _full() -> OSError:
+    """The store's full disk as the entry point reports it (pipeline.__main__.full_disk)."""
+    return OSError(errno.ENOSPC, "the MLflow store's disk is full", mlflow.get_tracking_uri())
+
+
+class _QuietWhenFull(logging.Filter):
+    """MLflow logs each failed database write, traceback and SQL included, before raising it; a full
+    disk is raised here as one line (``_full``), so its log records are dropped."""
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.exc_info and _store_full(record.exc_info[1])) and \
+            "database or disk is full" not in record.getMessage()
+
+
+logging.getLogger("mlflow.store.db.utils").addFilter(_QuietWhenFull())
+
+run_unrecorded: str | None = None  # the id of a run whose end the full store could not record (reap ends it)
 
 
 class Terminated(KeyboardInterrupt):
@@ -133,12 +168,10 @@ def setup(cfg: DictConfig) -> None:
             if kind and experiment.tags.get(KIND_TAG) != kind:  # the UI opens the runs table, not the GenAI overview
                 mlflow.MlflowClient().set_experiment_tag(experiment.experiment_id, KIND_TAG, str(kind))
     except Exception as err:
-        if "database or disk is full" not in str(err):
+        if not _store_full(err):
             raise
         # the disk filled after the preflight checked it: the entry point's one line (pipeline.__main__.full_disk)
-        import errno
-
-        raise OSError(errno.ENOSPC, "the MLflow store's disk is full", uri) from None
+        raise _full() from None
     reap(cfg)  # runs left RUNNING by a process of this host that was killed
 
 
@@ -180,7 +213,9 @@ def reap(cfg: DictConfig) -> int:
         pid, started = r.data.tags.get("owner.pid", ""), r.data.tags.get("owner.started")
         if not pid.isdigit() or _started(int(pid)) == started:
             continue
-        client.set_tag(r.info.run_id, "failed_reason", f"its process (pid {pid} on {r.data.tags['owner.host']}) died")
+        client.set_tag(r.info.run_id, "failed_reason",
+                       f"its process (pid {pid} on {r.data.tags['owner.host']}) ended without ending the run: it was "
+                       f"killed, or the store's disk was full then (its log says which)")
         client.set_terminated(r.info.run_id, "FAILED")
         dead += 1
     if dead:
@@ -336,7 +371,12 @@ def run(name: str, tags: Mapping[str, str]) -> Iterator[mlflow.ActiveRun]:
     with sigterm_raises():
         try:
             with shielded():
-                active = mlflow.start_run(run_name=name, tags={**owner(), **dict(tags)})
+                try:
+                    active = mlflow.start_run(run_name=name, tags={**owner(), **dict(tags)})
+                except Exception as err:
+                    if _store_full(err):
+                        raise _full() from None
+                    raise
             yield active
         except Terminated:
             _end(RunStatus.KILLED)
@@ -346,24 +386,38 @@ def run(name: str, tags: Mapping[str, str]) -> Iterator[mlflow.ActiveRun]:
             stop.ended_run = True  # what the command's message says (pipeline/__main__.py)
             raise
         except BaseException as err:
-            reason = str(err) if isinstance(err, RunFailed) else f"{type(err).__name__}: {err}"
+            full = _store_full(err)
+            reason = str(_full()) if full else str(err) if isinstance(err, RunFailed) else f"{type(err).__name__}: {err}"
             _end(RunStatus.FAILED, reason)
+            if full:
+                raise _full() from None  # one line, not MLflow's chained tracebacks
             raise
         else:
             _end(RunStatus.FINISHED)
+            if run_unrecorded:  # the results are written; the store could not say so
+                raise _full()
 
 
 @shielded()
 def _end(status: int, reason: str | None = None) -> None:
     """End the active run (if any) with ``status``, tagged with ``reason`` when given."""
-    if mlflow.active_run() is None:
+    global run_unrecorded
+    active = mlflow.active_run()
+    if active is None:
         return
     if reason is not None:
         try:
             mlflow.set_tag("failed_reason", reason[:4000])
         except Exception:  # the store itself may be what failed: the run still ends FAILED
             log.warning("could not tag the failed run with its reason: %s", reason[:200])
-    mlflow.end_run(RunStatus.to_string(status))
+    try:
+        mlflow.end_run(RunStatus.to_string(status))  # MLflow forgets the active run first, then writes its end
+    except Exception as err:
+        if not _store_full(err):
+            raise
+        run_unrecorded = active.info.run_id
+        log.error("the MLflow store's disk is full: run %s stays RUNNING there until the next launch on this host "
+                  "ends it FAILED", run_unrecorded)
 
 
 # --- sweeps ------------------------------------------------------------------------------------
@@ -576,7 +630,12 @@ def _to_active_run(write):
         if mlflow.active_run() is None:
             return None
         with shielded():
-            return write(*args, **kwargs)
+            try:
+                return write(*args, **kwargs)
+            except Exception as err:
+                if _store_full(err):
+                    raise _full() from None
+                raise
 
     return logged
 
