@@ -632,3 +632,39 @@ def test_the_forms_benchmark_times_two_forms_that_agree_and_names_autos_choice(c
         assert r["auto"] == rule and r["gram_s"] > 0 and r["direct_s"] > 0, r
     assert {r["auto"] for r in rows} == {"gram", "direct"}
     assert "auto took the slower form in" in capsys.readouterr().out
+
+
+class Blocks(TiedLM):
+    """TiedLM with three same-shaped blocks (a LayerNorm and a Linear each): what ``uses.Stack`` batches."""
+
+    def __init__(self):
+        super().__init__(reuse=False)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.LayerNorm(6), nn.Linear(6, 6)) for _ in range(3))
+
+    def forward(self, ids):
+        h = self.emb(ids)
+        for block in self.blocks:
+            h = h + torch.tanh(block(h))
+        return self.out(h)
+
+
+@pytest.mark.parametrize("form", ["gram", "direct"])
+def test_batched_products_of_same_shaped_layers_agree_with_one_by_one_and_the_brute_force(form):
+    """Issue 74: same-shaped layers' norms and sums are batched (``uses.Stack``) only where launches bound
+    the step (``stack=None``: CUDA); both paths, forced on the CPU, give the brute force's norms and sums."""
+    torch.manual_seed(3)
+    model = Blocks()
+    batch = lm_batch(seed=3)
+    _, grads = brute_force(model, lm_loss, batch)
+    C = float(norms_of(grads).median())
+    c = coefficients(norms_of(grads), C=C)
+    for stack in (True, False, None):
+        engine = PhantomClipping(model, C=C, form=form, stack=stack)
+        formed = engine._stacks(engine._uses(engine._forward(lm_loss, batch), keep_graph=False))[0]
+        assert (len(formed) > 0) == (stack is True), (stack, formed)
+        _, norms = engine.step(lm_loss, batch)
+        torch.testing.assert_close(norms, norms_of(grads), rtol=1e-10, atol=1e-12)
+        for name, p in model.named_parameters():
+            torch.testing.assert_close(p.grad, torch.einsum("n,n...->...", c, grads[name]), rtol=1e-9, atol=1e-12)
+    with pytest.raises(ValueError, match="stack must be None"):
+        PhantomClipping(model, C=1.0, stack="yes")

@@ -184,34 +184,43 @@ class Tests:
         return max(self.gauss.eps_lower, self.gdp.eps)
 
 
+TESTS = PROOFS + ESTIMATES  # the order of Tests' fields
+
+
+def _test(kind: str, scores: np.ndarray, included: np.ndarray, *, claimed, delta: float, confidence: float,
+          guesses: tuple[int, ...], proved: bool = True, ceiling: bool = True):
+    """One of the four tests of ``scores``, the one place each is built: Steinke et al.'s bound, the f-DP
+    test against the accountant's curve of ``claimed`` (a plan: ``sample_rate``, ``sigma``, ``steps``;
+    None without noise), Mahloujifar et al.'s recursion under a Gaussian trade-off, the Gaussian-DP mu."""
+    if kind == "steinke":
+        return one_run.one_run_bound(scores, included, delta=delta, confidence=confidence, guesses=guesses)
+    if kind == "fdp":
+        return (one_run.fdp_test(scores, included, sample_rate=claimed.sample_rate, sigma=claimed.sigma,
+                                 steps=claimed.steps, delta=delta, confidence=confidence, guesses=guesses, proved=proved,
+                                 ceiling=ceiling) if claimed.sigma > 0 else None)
+    if kind == "gauss":
+        return one_run.one_run_bound(scores, included, delta=delta, confidence=confidence, guesses=guesses,
+                                     bound="gaussian")
+    if kind == "gdp":
+        return one_run.gdp_estimate(scores, included, delta=delta, confidence=confidence)
+    raise ValueError(f"unknown test {kind!r}; known: {PROOFS + ESTIMATES}")
+
+
 def _value(kind: str, scores, bits, claimed, delta, confidence, guesses) -> float:
     """One test's eps from ``scores``: the proofs' lower bounds, the estimates' values."""
-    if kind == "steinke":
-        return one_run.one_run_bound(scores, bits, delta=delta, confidence=confidence, guesses=guesses).eps_lower
-    if kind == "fdp":
-        return one_run.fdp_test(scores, bits, sample_rate=claimed.sample_rate, sigma=claimed.sigma, steps=claimed.steps,
-                                delta=delta, confidence=confidence, guesses=guesses, ceiling=False).eps_proved
-    if kind == "gauss":
-        return one_run.one_run_bound(scores, bits, delta=delta, confidence=confidence, guesses=guesses,
-                                     bound="gaussian").eps_lower
-    if kind == "gdp":
-        return one_run.gdp_estimate(scores, bits, delta=delta, confidence=confidence).eps
-    raise ValueError(f"unknown test {kind!r}; known: {PROOFS + ESTIMATES}")
+    found = _test(kind, scores, bits, claimed=claimed, delta=delta, confidence=confidence, guesses=guesses,
+                  ceiling=False)
+    if found is None:
+        return float("nan")
+    return found.eps_proved if kind == "fdp" else found.eps if kind == "gdp" else found.eps_lower
 
 
 def tests(scores: np.ndarray, included: np.ndarray, *, claimed, delta: float, confidence: float,
           guesses: tuple[int, ...], proved: bool = True, fdp: bool = True) -> Tests:
-    """Steinke et al.'s bound, the f-DP test against the accountant's curve of ``claimed`` (a plan:
-    ``sample_rate``, ``sigma``, ``steps``; ``proved=False``: its p-value only, ``fdp=False``: not
-    run), and the two Gaussian-trade-off estimates, from the same scores."""
-    test = (one_run.fdp_test(scores, included, sample_rate=claimed.sample_rate, sigma=claimed.sigma,
-                             steps=claimed.steps, delta=delta, confidence=confidence, guesses=guesses, proved=proved)
-            if fdp and claimed.sigma > 0 else None)
-    return Tests(steinke=one_run.one_run_bound(scores, included, delta=delta, confidence=confidence, guesses=guesses),
-                 fdp=test,
-                 gauss=one_run.one_run_bound(scores, included, delta=delta, confidence=confidence, guesses=guesses,
-                                             bound="gaussian"),
-                 gdp=one_run.gdp_estimate(scores, included, delta=delta, confidence=confidence))
+    """The four tests (``_test``) of the same scores (``proved=False``: the f-DP test's p-value only,
+    ``fdp=False``: not run)."""
+    return Tests(**{kind: _test(kind, scores, included, claimed=claimed, delta=delta, confidence=confidence,
+                                guesses=guesses, proved=proved) if kind != "fdp" or fdp else None for kind in TESTS})
 
 
 def expected(m: int, *, q: float, sigma: float, steps: int, delta: float, confidence: float, claimed,

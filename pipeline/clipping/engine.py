@@ -222,7 +222,7 @@ class PhantomClipping:
     """Per-example gradient norms and their clipped sum for ``model`` (see the module's docstring)."""
 
     def __init__(self, model: nn.Module, C: float, *, rule: str = "classic", gamma: float = 0.01,
-                 sum_by: str = "bookkeeping", form: str = "auto", check: str = "guard"):
+                 sum_by: str = "bookkeeping", form: str = "auto", check: str = "guard", stack: bool | None = None):
         if check in ("first", "always", "never"):
             raise ValueError(f"check {check!r} is gone: the guard now proves every step (no sampled self-check to "
                              "turn on or off); check='brute' adds a brute-force comparison on every step")
@@ -230,12 +230,22 @@ class PhantomClipping:
                                   (check, CHECKS, "check")):
             if value not in known:
                 raise ValueError(f"{key} {value!r} is unknown; known: {known}")
+        if stack not in (None, True, False):
+            raise ValueError(f"stack must be None (batched on CUDA only), True or False, got {stack!r}")
         if not 0 < C < float("inf"):
             raise ValueError(f"C must be a positive finite number, got {C!r}")
         if rule == "automatic" and not 0 < gamma < float("inf"):
             raise ValueError(f"gamma must be a positive finite number for the automatic rule, got {gamma!r}")
         self.model, self.C, self.rule, self.gamma = model, float(C), rule, float(gamma)
+        # The provenance's dispatch mode imports torch._dynamo on its first operation (torch._compile); done
+        # here, the import (1.6 s, 70 MB of the process's memory, once) is not inside the first step's
+        # forward pass, where its frames kept that step's tensors (the logits among them) alive until the
+        # garbage collector ran: the first step's peak, which the step benchmarks measured as Phantom's.
+        import torch._dynamo  # noqa: F401
         self.sum_by, self.form, self.check = sum_by, form, check
+        # same-shaped layers' norms and sums in batched products (uses.Stack): fewer launches where launches
+        # bound the step (None: on CUDA only); on the CPU the stacked copies cost memory and time, and save nothing
+        self.stack = stack
         self.params = {id(p): (name, p) for name, p in model.named_parameters(remove_duplicate=True) if p.requires_grad}
         self._names = {m: name for name, m in model.named_modules(remove_duplicate=True)}  # for messages
         self._parent = {child: m for m in self._names for child in m.children()}
@@ -515,6 +525,8 @@ class PhantomClipping:
         alone: list[int] = []
         for pid, found in uses.items():
             key = stack_key(found[0], _shape(self.params[pid][1]), self.form) if len(found) == 1 else None
+            if key is not None and not (self.stack if self.stack is not None else key[-1].type == "cuda"):
+                key = None
             (keyed.setdefault(key, []) if key is not None else alone).append(pid)
         stacks = []
         for key, pids in keyed.items():
