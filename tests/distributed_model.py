@@ -1,0 +1,35 @@
+"""The tiny tied model and data of tests/test_distributed.py (shared with its worker processes)."""
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+V, T, N = 13, 6, 64
+
+
+class Tied(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(V, 8)
+        self.pos = nn.Embedding(T, 8)
+        self.norm = nn.LayerNorm(8)
+        self.mid = nn.Linear(8, 8)
+        self.out = nn.Linear(8, V, bias=False)
+        self.out.weight = self.emb.weight
+
+    def forward(self, ids):
+        h = self.emb(ids) + self.pos(torch.arange(ids.shape[1]))  # nanoGPT's positions, as written
+        return self.out(torch.tanh(self.mid(self.norm(h))))
+
+
+def tied_model() -> nn.Module:
+    return Tied().double()
+
+
+def data() -> torch.Tensor:
+    return torch.randint(0, V, (N, T + 1), generator=torch.Generator().manual_seed(3))
+
+
+def loss_fn(model, batch):
+    logits = model(batch[:, :-1])
+    return F.cross_entropy(logits.transpose(1, 2), batch[:, 1:], reduction="none").sum(1)
