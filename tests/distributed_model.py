@@ -33,3 +33,20 @@ def data() -> torch.Tensor:
 def loss_fn(model, batch):
     logits = model(batch[:, :-1])
     return F.cross_entropy(logits.transpose(1, 2), batch[:, 1:], reduction="none").sum(1)
+
+
+def gpt2_model() -> nn.Module:
+    """A Hugging Face GPT-2 built from a config (random weights), tied as shipped, without dropout."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    config = GPT2Config(vocab_size=V, n_positions=T, n_embd=8, n_layer=1, n_head=2, resid_pdrop=0.0, embd_pdrop=0.0,
+                        attn_pdrop=0.0)
+    return GPT2LMHeadModel(config).double()
+
+
+def gpt2_loss(model, batch):
+    logits = model(batch[:, :-1]).logits
+    return F.cross_entropy(logits.transpose(1, 2), batch[:, 1:], reduction="none").sum(1)
+
+
+MODELS = {"tied": (tied_model, loss_fn), "gpt2": (gpt2_model, gpt2_loss)}

@@ -10,43 +10,46 @@ import sys
 import pytest
 import torch
 from conftest import ROOT
-from distributed_model import data, loss_fn, tied_model
+from distributed_model import MODELS, data, loss_fn, tied_model
 
 from pipeline.dpsgd import DPSGD
 
 
-def _ranks(world: int, tmp_path, most) -> dict:
+def _ranks(world: int, tmp_path, most, model: str = "tied") -> dict:
     init = f"file://{tmp_path / 'rendezvous'}"
     procs = [subprocess.Popen([sys.executable, str(ROOT / "tests" / "distributed_worker.py"), str(r), str(world), init,
-                               str(tmp_path), str(most)], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                               str(tmp_path), str(most), model], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                               text=True) for r in range(world)]
     outs = [p.communicate(timeout=240)[0] for p in procs]
     assert all(p.returncode == 0 for p in procs), "\n".join(o[-3000:] for o in outs)
     return torch.load(tmp_path / "params.pt")
 
 
-def _one_process(most=None) -> DPSGD:
+def _one_process(most=None, model: str = "tied") -> DPSGD:
+    make, loss = MODELS[model]
     torch.manual_seed(100)  # rank 0's initial weights
-    dp = DPSGD(tied_model(), data(), loss_fn, eps=4.0, delta=1e-5, batch_size=16, epochs=2, max_physical_batch=most,
+    dp = DPSGD(make(), data(), loss, eps=4.0, delta=1e-5, batch_size=16, epochs=2, max_physical_batch=most,
                seed=7)
     return dp
 
 
-@pytest.mark.parametrize("world, most", [(2, None), (3, 5)])
-def test_ranks_give_one_processs_parameters_and_one_process_resumes_them(tmp_path, world, most):
+@pytest.mark.parametrize("world, most, model", [(2, None, "tied"), (3, 5, "tied"),
+                                               pytest.param(4, 6, "gpt2", marks=pytest.mark.slow)])
+def test_ranks_give_one_processs_parameters_and_one_process_resumes_them(tmp_path, world, most, model):
     """Two ranks in one piece, three ranks in micro-batches of 5 (a rank's share of a micro-batch is
     sometimes empty): after an epoch of 4 Poisson steps, the same parameters as one process to float64
     rounding (the clipped sums are added in another order): each example clipped once, the noise added
-    once (world times would move them by sqrt(world) times the noise). The ranks' checkpoint then
+    once (world times would move them by sqrt(world) times the noise); and four ranks on a Hugging Face
+    GPT-2 built from a config, tied as shipped (slow). The ranks' checkpoint then
     resumes in one process, whose second epoch ends where one process's two do."""
-    got = _ranks(world, tmp_path, most)
-    dp = _one_process(most)
+    got = _ranks(world, tmp_path, most, model)
+    dp = _one_process(most, model)
     dp.epoch()
     want = {k: v.clone() for k, v in dp.model.state_dict().items()}
     assert set(got) == set(want) and dp.steps_done == 4
     for k in want:
         torch.testing.assert_close(got[k], want[k], rtol=1e-10, atol=1e-12)
-    again = _one_process(most).load(tmp_path / "ckpt.pt")
+    again = _one_process(most, model).load(tmp_path / "ckpt.pt")
     assert again.steps_done == 4
     again.epoch()
     dp.epoch()
