@@ -351,3 +351,54 @@ def test_every_stage_command_survives_the_lock_file():
     assert [name for name, cmd in commands.items() if not _survives_the_lock(cmd)] == []
     broken = commands["lm_audit_run"][1].replace("] || exit 1; for t", "]  || exit 1; for t")
     assert broken != commands["lm_audit_run"][1] and not _survives_the_lock([broken])
+
+
+def _imported(path: Path) -> set[str]:
+    """The project modules ``path`` imports anywhere in its body (a function's lazy import too), as files."""
+    import ast
+
+    found = set()
+    package = path.relative_to(ROOT).with_suffix("").parts[:-1]
+    for node in ast.walk(ast.parse(path.read_text())):
+        names = []
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = ".".join(package[:len(package) - node.level + 1]) if node.level else ""
+            module = ".".join(p for p in (base, node.module or "") if p)
+            names = [module] + [f"{module}.{a.name}" for a in node.names]
+        for name in names:
+            if name.split(".")[0] not in ("pipeline", "hydra_plugins"):
+                continue
+            for candidate in (ROOT / Path(*name.split("."))).with_suffix(".py"), ROOT / Path(*name.split(".")) / "__init__.py":
+                if candidate.exists():
+                    found.add(candidate.relative_to(ROOT).as_posix())
+    return found
+
+
+NARROWED = ("pipeline/clipping/", "pipeline/dpsgd/")  # packages whose files are deps one by one
+
+
+def test_a_stage_depends_on_every_module_its_engine_and_trainer_files_import_even_lazily():
+    """The shared engine's and trainer's files are deps one by one (a module added to their packages that no
+    stage uses, such as a new engine option, leaves the stages as built): every project module one of those
+    files imports, at its top or inside a function, must be a dependency too (the slow test above sees what
+    a process loads at its start; this one also what a lazy import loads later), and every code file the
+    stage lists must exist."""
+    from omegaconf import OmegaConf
+
+    stages = OmegaConf.to_container(OmegaConf.load(ROOT / "dvc.yaml"), resolve=False)["stages"]
+    missing = {}
+    for stage, spec in stages.items():
+        deps = [d for d in spec.get("deps", []) if "$" not in d]
+        code = [d for d in deps if d.startswith(("pipeline/", "conf/", "hydra_plugins", "benchmarks/"))]
+        assert all((ROOT / d).exists() for d in code), (stage, [d for d in code if not (ROOT / d).exists()])
+        assert not any(d.rstrip("/") + "/" in NARROWED for d in deps), f"{stage}: list {NARROWED}' files one by one"
+
+        def covered(f):
+            return any(f == d or f.startswith(d.rstrip("/") + "/") for d in deps)
+
+        gaps = sorted({m for d in deps if d.startswith(NARROWED) for m in _imported(ROOT / d) if not covered(m)})
+        if gaps:
+            missing[stage] = gaps
+    assert not missing, missing
