@@ -19,7 +19,7 @@ def main() -> None:
     make, loss_fn = MODELS[sys.argv[6]]
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
-    from pipeline.distributed import DistributedDPSGD
+    from pipeline.dpsgd.distributed import DistributedDPSGD
 
     torch.manual_seed(100 + rank)  # different initial weights on every rank: rank 0's are broadcast
     dp = DistributedDPSGD(make(), data(), loss_fn, eps=4.0, delta=1e-5, batch_size=16, epochs=2,

@@ -1,4 +1,4 @@
-"""DP-SGD across processes (pipeline/distributed, issue 75): ranks spawned as separate processes over
+"""DP-SGD across processes (pipeline/dpsgd/distributed.py, issue 75): ranks spawned as separate processes over
 gloo on the CPU give one process's parameters, for the same seed, after several Poisson steps; a
 checkpoint of two ranks resumes in one process; what would break the privacy argument is refused."""
 
@@ -59,7 +59,7 @@ def test_ranks_give_one_processs_parameters_and_one_process_resumes_them(tmp_pat
 
 
 def test_without_a_process_group_or_with_ddps_hooks_it_refuses():
-    from pipeline.distributed import DistributedDPSGD
+    from pipeline.dpsgd.distributed import DistributedDPSGD
 
     with pytest.raises(RuntimeError, match="init_process_group"):
         DistributedDPSGD(tied_model(), data(), loss_fn, eps=4.0, delta=1e-5, batch_size=16, epochs=1)

@@ -1,6 +1,7 @@
 """``DistributedDPSGD``: ``pipeline.dpsgd.DPSGD`` over ``torch.distributed``, the model replicated on
 every rank (what ``DistributedDataParallel`` does, without its hooks: they would average the
-gradients before they are clipped).
+gradients before they are clipped). Imported from here (``from pipeline.dpsgd.distributed import
+DistributedDPSGD``): a process of one rank never loads ``torch.distributed``.
 
 **The privacy argument is one process's, unchanged.** Every rank draws the same Poisson sample from
 the same sampling stream (the same ``seed``), and cuts it into the same physical micro-batches. Of
