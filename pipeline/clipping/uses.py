@@ -167,7 +167,12 @@ def inner(a: Use, b: Use, n: int, shape: tuple[int, int], form: str = "auto") ->
     ``auto`` (the one with fewer operations; a Direct use is always materialised). The Gram form costs
     T S (P + Q) per example for two dense left factors, T S Q where one is one-hot (a comparison or a
     gather, not a P-long product); materialising costs T P Q per use formed (a use with itself is
-    formed once)."""
+    formed once). A use of another kind computes its own products (``inner(other, n, shape)``: the chunked
+    output layer's, ``pipeline/clipping/chunked.py``, whose left factor is never formed whole)."""
+    for one, other in ((a, b), (b, a)):
+        product = getattr(one, "inner", None)
+        if product is not None:
+            return product(other, n, shape)
     if isinstance(a, Outer) and isinstance(b, Outer):
         if a.index and not b.index:  # the dense one first: the (T, S) products in its tokens' order
             a, b = b, a
