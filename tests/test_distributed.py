@@ -15,12 +15,18 @@ from distributed_model import MODELS, data, loss_fn, tied_model
 from pipeline.dpsgd import DPSGD
 
 
-def _ranks(world: int, tmp_path, most, model: str = "tied") -> dict:
+def _ranks(world: int, tmp_path, most, model: str = "tied", *extra: str, ok: bool = True):
     init = f"file://{tmp_path / 'rendezvous'}"
     procs = [subprocess.Popen([sys.executable, str(ROOT / "tests" / "distributed_worker.py"), str(r), str(world), init,
-                               str(tmp_path), str(most), model], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                              text=True) for r in range(world)]
-    outs = [p.communicate(timeout=240)[0] for p in procs]
+                               str(tmp_path), str(most), model, *extra], cwd=ROOT, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True) for r in range(world)]
+    try:
+        outs = [p.communicate(timeout=240)[0] for p in procs]
+    finally:
+        for p in procs:  # none left behind, whatever happened
+            p.kill()
+    if not ok:
+        return procs, outs
     assert all(p.returncode == 0 for p in procs), "\n".join(o[-3000:] for o in outs)
     return torch.load(tmp_path / "params.pt")
 
@@ -39,9 +45,15 @@ def test_ranks_give_one_processs_parameters_and_one_process_resumes_them(tmp_pat
     """Two ranks in one piece, three ranks in micro-batches of 5 (a rank's share of a micro-batch is
     sometimes empty): after an epoch of 4 Poisson steps, the same parameters as one process to float64
     rounding (the clipped sums are added in another order): each example clipped once, the noise added
-    once (world times would move them by sqrt(world) times the noise); and four ranks on a Hugging Face
+    once (world times would move them by world times the noise); and four ranks on a Hugging Face
     GPT-2 built from a config, tied as shipped (slow). The ranks' checkpoint then
     resumes in one process, whose second epoch ends where one process's two do."""
+    if most == 5:  # the case the docstring names: some step's micro-batch leaves a rank nothing
+        from pipeline.dpsgd import PoissonSampler, chunks
+
+        sampler = PoissonSampler(64, 16 / 64, torch.Generator().manual_seed(7))
+        sizes = [len(c) for _ in range(4) for c in chunks(sampler.sample(), most)]
+        assert any(size < world for size in sizes), sizes
     got = _ranks(world, tmp_path, most, model)
     dp = _one_process(most, model)
     dp.epoch()
@@ -58,8 +70,28 @@ def test_ranks_give_one_processs_parameters_and_one_process_resumes_them(tmp_pat
     assert again.eps_spent() == dp.eps_spent()
 
 
-def test_without_a_process_group_or_with_ddps_hooks_it_refuses():
+def test_ranks_whose_arguments_differ_are_all_refused_and_none_waits(tmp_path):
+    """A clipping norm that differs by rank (each rank's noise calibrated to its own C, the sensitivity the
+    largest): every rank stops with the reason, none hangs in a collective."""
+    procs, outs = _ranks(2, tmp_path, None, "tied", "C-by-rank", ok=False)
+    assert all(p.returncode not in (0, None) for p in procs), outs
+    assert all("differ" in out and "settings" in out for out in outs), [o[-1500:] for o in outs]
+
+
+def test_without_a_process_group_or_with_ddps_hooks_it_refuses(tmp_path):
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
     from pipeline.dpsgd.distributed import DistributedDPSGD
 
     with pytest.raises(RuntimeError, match="init_process_group"):
         DistributedDPSGD(tied_model(), data(), loss_fn, eps=4.0, delta=1e-5, batch_size=16, epochs=1)
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'one'}", rank=0, world_size=1)
+    try:
+        with pytest.raises(ValueError, match="not a DistributedDataParallel"):
+            DistributedDPSGD(DistributedDataParallel(tied_model()), data(), loss_fn, eps=4.0, delta=1e-5,
+                             batch_size=16, epochs=1)
+        with pytest.raises(ValueError, match="eps must lie"):  # a rank's own refusal, raised on it (world 1)
+            DistributedDPSGD(tied_model(), data(), loss_fn, eps=-1.0, delta=1e-5, batch_size=16, epochs=1)
+    finally:
+        dist.destroy_process_group()

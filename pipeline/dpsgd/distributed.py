@@ -1,7 +1,7 @@
 """``DistributedDPSGD``: ``pipeline.dpsgd.DPSGD`` over ``torch.distributed``, the model replicated on
 every rank (what ``DistributedDataParallel`` does, without its hooks: they would average the
-gradients before they are clipped). Imported from here (``from pipeline.dpsgd.distributed import
-DistributedDPSGD``): a process of one rank never loads ``torch.distributed``.
+gradients before they are clipped). Imported from here: ``from pipeline.dpsgd.distributed import
+DistributedDPSGD``.
 
 **The privacy argument is one process's, unchanged.** Every rank draws the same Poisson sample from
 the same sampling stream (the same ``seed``), and cuts it into the same physical micro-batches. Of
@@ -12,8 +12,12 @@ single process forms. The noise is drawn from one noise stream that every rank r
 (the same ``seed``) and added once to that sum, so the released gradient is the clipped sum plus one
 draw of N(0, (sigma C)^2 I): the Gaussian mechanism the accountant was told about, with one accountant.
 Every rank applies the same update and stays a replica. The one-process result is reproduced to
-float tolerance (the sums are added in another order). A checkpoint holds no rank's state (the
-streams and the model are the same everywhere): ``save`` on rank 0, any world size resumes it.
+float tolerance (the sums are added in another order). The clipped sums are all-reduced once per
+micro-batch (one collective of the parameters' size each; with ``max_physical_batch`` None, once per
+step). A checkpoint is written by rank 0 (``save`` is called on every rank): the model, the sampling
+and noise streams and the accountant are the same on every rank, so one process or any world size
+resumes it; the global generator it holds (dropout's) is rank 0's, so with dropout a resumed run
+draws other masks than an uninterrupted one (privacy unaffected).
 
 What the ranks must share: the model's initial parameters (rank 0's are broadcast when the trainer
 is made), ``data`` (every rank holds it all, and reads only its share of each micro-batch), and the
@@ -51,7 +55,9 @@ class _Reduced:
 
     def step(self, loss_fn, share: _Share):
         device = self.params[0].device
-        dtype = torch.promote_types(self.params[0].dtype, torch.float32)  # a float64 model's sums stay float64
+        dtype = torch.float32
+        for p in self.params:  # a float64 parameter's sum stays float64
+            dtype = torch.promote_types(dtype, p.dtype)
         losses = torch.zeros(share.size, device=device, dtype=dtype)
         norms = torch.zeros(share.size, device=device, dtype=dtype)
         if share.batch is not None:
@@ -72,10 +78,26 @@ class _Reduced:
         return flat[start:start + share.size].clone(), (flat[start + share.size:].clone() if self.private else None)
 
 
+def _digest(data) -> str:
+    """A fingerprint of ``data``'s tensors (shapes, dtypes and bytes): the ranks must hold the same data set."""
+    import hashlib
+
+    found = hashlib.sha256()
+    for t in data if isinstance(data, (tuple, list)) else (data,):
+        if isinstance(t, torch.Tensor):
+            found.update(f"{tuple(t.shape)} {t.dtype}".encode())
+            found.update(t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    return found.hexdigest()
+
+
 class DistributedDPSGD(DPSGD):
     """``DPSGD`` (same arguments, same guarantees) on every rank of the initialised default process
-    group (or ``group``): see the module's docstring. Refuses a model wrapped in
-    ``DistributedDataParallel`` (its hooks average unclipped gradients) and ranks whose arguments differ."""
+    group (or ``group``): see the module's docstring. Call every method on every rank (``save``
+    included). Refuses, on every rank at once (no rank left waiting): a model wrapped in
+    ``DistributedDataParallel`` (its hooks average unclipped gradients), parameters on several devices,
+    an argument any rank refuses, and ranks whose arguments or data differ (C, eps, delta, the plan,
+    chunking, seed, engine, optimizer settings, the data's bytes). With NCCL, each rank's model must be on
+    its own GPU (its device is made the current one)."""
 
     def __init__(self, model: torch.nn.Module, data, loss_fn, *, group=None, **kwargs):
         if not dist.is_available() or not dist.is_initialized():
@@ -84,15 +106,40 @@ class DistributedDPSGD(DPSGD):
         if isinstance(model, torch.nn.parallel.DistributedDataParallel):
             raise ValueError("pass the bare model, not a DistributedDataParallel: its hooks average the gradients "
                              "before they are clipped; DistributedDPSGD all-reduces the clipped sums itself")
-        super().__init__(model, data, loss_fn, **kwargs)
+        devices = {p.device for p in model.parameters()}
+        if len(devices) > 1:
+            raise ValueError(f"the model's parameters are on several devices ({sorted(map(str, devices))}): "
+                             "DistributedDPSGD replicates one model per rank on one device")
+        device = devices.pop() if devices else torch.device("cpu")
+        if device.type == "cuda":
+            torch.cuda.set_device(device)  # NCCL's object collectives run on the current device
         self.group = group
         self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
-        key = [None] * self.world
-        dist.all_gather_object(key, {**self.key, "n": self.plan.n}, group=group)
-        if any(k != key[0] for k in key):
-            raise ValueError(f"the ranks' DPSGD arguments differ (plan, max_physical_batch, seed, data size): {key}")
+        error = None
+        try:
+            super().__init__(model, data, loss_fn, **kwargs)
+        except Exception as err:  # noqa: BLE001 -- reported by every rank below, so that none waits for ever
+            error = err
+        settings = {k: (v if isinstance(v, (int, float, str, bool, type(None))) else type(v).__name__)
+                    for k, v in sorted(kwargs.items())}
+        mine = {"error": None if error is None else f"{type(error).__name__}: {error}",
+                "settings": settings, "data": _digest(data),
+                "key": None if error is not None else {**self.key, "n": self.plan.n}}
+        found = [None] * self.world
+        dist.all_gather_object(found, mine, group=group)
+        failed = [(r, f["error"]) for r, f in enumerate(found) if f["error"] is not None]
+        if failed:
+            if error is not None:
+                raise error
+            raise ValueError(f"rank {failed[0][0]} refused its DPSGD arguments ({failed[0][1]}); all ranks stop")
+        differ = [what for what in ("settings", "data", "key") if any(f[what] != found[0][what] for f in found)]
+        if differ:
+            raise ValueError(f"the ranks' DPSGD {' and '.join(differ)} differ (every rank must pass the same arguments "
+                             f"and hold the same data: one Poisson sample is drawn over all of it): "
+                             f"{[f[differ[0]] for f in found] if differ[0] != 'data' else 'data digests differ'}")
+        source = dist.get_global_rank(group, 0) if group is not None else 0
         for t in list(model.parameters()) + list(model.buffers()):  # one replica: rank 0's initial weights
-            dist.broadcast(t.data, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
+            dist.broadcast(t.data, src=source, group=group)
         trainer = self.trainer
         take, rank, world = trainer.take, self.rank, self.world
 
@@ -103,8 +150,25 @@ class DistributedDPSGD(DPSGD):
         trainer.take = share
         trainer.engine = _Reduced(trainer.engine, trainer.params, group)
 
+    def fit(self, on_epoch=None, *, log_every: float | None = 10.0):
+        """``DPSGD.fit`` on every rank; progress printed by rank 0 only."""
+        return super().fit(on_epoch, log_every=log_every if self.rank == 0 else None)
+
     def save(self, path) -> None:
-        """Rank 0 writes the checkpoint (every rank holds the same state); the others wait for it."""
+        """Call on every rank: rank 0 writes the checkpoint (the model, the sampling and noise streams and the
+        accountant are the same on every rank; the global generator saved, which draws dropout, is rank
+        0's); every rank then learns whether the write succeeded (a failure raises on all of them). On
+        several machines the path must be on a file system they share."""
+        error = None
         if self.rank == 0:
-            super().save(path)
-        dist.barrier(group=self.group)
+            try:
+                super().save(path)
+            except Exception as err:  # noqa: BLE001 -- every rank raises, none waits
+                error = err
+        status = [None if error is None else f"{type(error).__name__}: {error}"]
+        dist.broadcast_object_list(status, src=dist.get_global_rank(self.group, 0) if self.group is not None else 0,
+                                   group=self.group)
+        if error is not None:
+            raise error
+        if status[0] is not None:
+            raise OSError(f"rank 0 could not write the checkpoint {path}: {status[0]}")
