@@ -1,0 +1,137 @@
+"""A tied output layer and its cross-entropy over the vocabulary in chunks (issue 76): no (n, T, V)
+tensor in the forward pass, the backward pass, or the engine's per-example quantities.
+
+**The loss.** ``chunked_cross_entropy(h, W, y)``: per-token losses lse_t - h_t . W[y_t] of the logits
+z_t = W h_t, the log-sum-exp taken over the vocabulary a chunk of rows at a time (a running maximum
+and sum, as Liger's fused linear cross-entropy and Apple's Cut Cross-Entropy do). Its backward pass
+forms each chunk's probabilities again from the saved log-sum-exp: dL/dh_t = g_t (sum_v p_tv W_v -
+W[y_t]), dL/dW = sum_t g_t (p_t - e_{y_t}) h_t^T, a chunk of rows at a time.
+
+**The per-example quantities** (``HeadUse``). One example's gradient of W from the head is
+G_i = sum_t l_t h_t^T with l_t = g_t (p_t - e_{y_t}) (V long, never formed whole). Its inner products:
+
+* with itself: sum_{t,s} (l_t . l_s)(h_t . h_s), where l_t . l_s = g_t g_s (p_t . p_s - p_t[y_s] -
+  p_s[y_t] + [y_t = y_s]): p_t . p_s over the chunks (T x T per example), p_t[y_s] = exp(h_t . W[y_s]
+  - lse_t) from the T targets' rows alone;
+* with an embedding lookup of the same table (ids_s, output gradients r_s: the tie's cross term):
+  sum_{t,s} l_t[id_s] (h_t . r_s), l_t[id_s] = g_t (exp(h_t . W[id_s] - lse_t) - [y_t = id_s]): the
+  looked-up rows alone, no chunk loop;
+* with a dense use of the table's rows (another linear call on it): over the chunks.
+
+The clipped sum sum_i c_i G_i: a chunk of rows at a time, the targets' rows subtracted by index.
+Exact against the whole-logits computation and a float64 brute force (tests/test_chunked_head.py).
+"""
+
+from __future__ import annotations
+
+import torch
+
+IGNORE = -100  # the targets that carry no loss (PyTorch's cross_entropy default ignore_index)
+
+
+def _chunks(V: int, chunk: int):
+    for start in range(0, V, chunk):
+        yield start, min(V, start + chunk)
+
+
+def logsumexp(h: torch.Tensor, W: torch.Tensor, chunk: int) -> torch.Tensor:
+    """(N,) log sum_v exp(h_t . W_v), over ``chunk`` rows of W at a time (a running maximum and sum)."""
+    top = torch.full(h.shape[:1], float("-inf"), dtype=h.dtype, device=h.device)
+    total = torch.zeros(h.shape[:1], dtype=h.dtype, device=h.device)
+    for start, stop in _chunks(W.shape[0], chunk):
+        z = h @ W[start:stop].T
+        new = torch.maximum(top, z.max(1).values)
+        total = total * torch.exp(top - new) + torch.exp(z - new[:, None]).sum(1)
+        top = new
+    return top + torch.log(total)
+
+
+class _ChunkedCE(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, h, W, y, chunk):
+        lse = logsumexp(h, W, chunk)
+        keep = y != IGNORE
+        target = torch.where(keep, y, torch.zeros_like(y))
+        loss = (lse - (h * W[target]).sum(1)) * keep.to(h.dtype)
+        ctx.save_for_backward(h, W, target, keep, lse)
+        ctx.chunk = chunk
+        return loss
+
+    @staticmethod
+    def backward(ctx, g):
+        h, W, target, keep, lse = ctx.saved_tensors
+        g = g * keep.to(g.dtype)
+        dh = torch.zeros_like(h) if ctx.needs_input_grad[0] else None
+        dW = torch.zeros_like(W) if ctx.needs_input_grad[1] else None
+        for start, stop in _chunks(W.shape[0], ctx.chunk):
+            d = torch.exp(h @ W[start:stop].T - lse[:, None]) * g[:, None]  # (N, chunk): g_t p_t on these rows
+            if dh is not None:
+                dh += d @ W[start:stop]
+            if dW is not None:
+                dW[start:stop] += d.T @ h
+        if dh is not None:
+            dh -= g[:, None] * W[target]
+        if dW is not None:
+            dW.index_add_(0, target, -g[:, None] * h)
+        return dh, dW, None, None
+
+
+def chunked_cross_entropy(h: torch.Tensor, W: torch.Tensor, y: torch.Tensor, chunk: int = 8192) -> torch.Tensor:
+    """Per-token cross-entropy losses of the logits h W^T against ``y`` (``IGNORE``: no loss), shaped as
+    ``y``; ``h`` is (..., d), W (V, d). No (..., V) tensor is formed: ``chunk`` rows of W at a time."""
+    if chunk < 1:
+        raise ValueError(f"chunk must be a positive integer, got {chunk!r}")
+    shape = y.shape
+    return _ChunkedCE.apply(h.reshape(-1, h.shape[-1]), W, y.reshape(-1), int(chunk)).reshape(shape)
+
+
+class HeadUse:
+    """One call of the chunked head on n examples of T tokens: G_i = sum_t l_t h_t^T (the module's
+    docstring), from ``h`` (n, T, d), the targets ``y`` (n, T), the per-token loss gradients ``g``
+    (n, T) and the table ``W`` (V, d)."""
+
+    def __init__(self, h: torch.Tensor, y: torch.Tensor, g: torch.Tensor, W: torch.Tensor, chunk: int):
+        self.keep = y != IGNORE
+        self.h, self.W, self.chunk = h, W, int(chunk)
+        self.y = torch.where(self.keep, y, torch.zeros_like(y))
+        self.g = g.to(h.dtype) * self.keep.to(h.dtype)
+        n, T, d = h.shape
+        self.lse = logsumexp(h.reshape(-1, d), W, self.chunk).view(n, T)
+
+    @property
+    def rows(self) -> int:
+        return self.W.shape[0]
+
+    def _p_at(self, ids: torch.Tensor) -> torch.Tensor:
+        """(n, T, S): p_t[ids_s], each example's probabilities at the S rows ``ids`` (n, S) name."""
+        return torch.exp(self.h @ self.W[ids].transpose(1, 2) - self.lse[..., None])
+
+    def left_gram(self) -> torch.Tensor:
+        """(n, T, T): l_t . l_s."""
+        pp = torch.zeros(self.h.shape[0], self.h.shape[1], self.h.shape[1], dtype=self.h.dtype, device=self.h.device)
+        for start, stop in _chunks(self.rows, self.chunk):
+            p = torch.exp(self.h @ self.W[start:stop].T - self.lse[..., None])  # (n, T, chunk)
+            pp += p @ p.transpose(1, 2)
+        at = self._p_at(self.y)  # p_t[y_s]
+        same = (self.y[:, :, None] == self.y[:, None, :]).to(self.h.dtype)
+        return self.g[:, :, None] * self.g[:, None, :] * (pp - at - at.transpose(1, 2) + same)
+
+    def sq_norm(self) -> torch.Tensor:
+        """(n,): ||G_i||^2."""
+        return (self.left_gram() * (self.h @ self.h.transpose(1, 2))).sum((1, 2))
+
+    def with_lookup(self, ids: torch.Tensor, right: torch.Tensor) -> torch.Tensor:
+        """(n,): <G_i, E_i> for an embedding lookup of the same table, E_i = sum_s e_{ids_s} right_s^T."""
+        left = self.g[..., None] * (self._p_at(ids) - (self.y[:, :, None] == ids[:, None, :]).to(self.h.dtype))
+        return (left * (self.h @ right.transpose(1, 2))).sum((1, 2))
+
+    def weighted_sum(self, c: torch.Tensor) -> torch.Tensor:
+        """(V, d): sum_i c_i G_i, a chunk of rows at a time."""
+        n, T, d = self.h.shape
+        w = (c.to(self.h.dtype)[:, None] * self.g).reshape(-1)  # c_i g_t per token
+        h = self.h.reshape(-1, d)
+        lse = self.lse.reshape(-1)
+        out = torch.zeros_like(self.W)
+        for start, stop in _chunks(self.rows, self.chunk):
+            out[start:stop] = (torch.exp(h @ self.W[start:stop].T - lse[:, None]) * w[:, None]).T @ h
+        return out.index_add_(0, self.y.reshape(-1), -w[:, None] * h)

@@ -1,0 +1,79 @@
+"""The chunked tied head's loss, gradients and per-example quantities (pipeline/clipping/chunked.py,
+issue 76) against the whole-logits computation and a float64 brute force: padding targets, a
+vocabulary that is not a multiple of the chunk, the tie's cross term with the embedding lookup."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from pipeline.clipping.chunked import IGNORE, HeadUse, chunked_cross_entropy
+
+V, d, n, T = 23, 5, 4, 6
+
+
+def _setup(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    W = torch.randn(V, d, generator=g, dtype=torch.float64, requires_grad=True)
+    ids = torch.randint(0, V, (n, T), generator=g)
+    y = torch.randint(0, V, (n, T), generator=g)
+    y[0, :2] = IGNORE  # padding targets
+    y[1] = y[1, 0]  # one target repeated
+    return W, ids, y
+
+
+def _model(W, ids, y, chunk=None):
+    """Per-example losses of a tied toy LM: h = tanh(emb(ids)), logits = h W^T, summed over tokens (weight
+    per token 1 + t / T, so that the loss gradients g differ per token)."""
+    h = torch.tanh(W[ids] * 1.3)
+    weight = 1 + torch.arange(T, dtype=W.dtype) / T
+    if chunk is None:
+        tok = F.cross_entropy((h @ W.T).transpose(1, 2), y, reduction="none", ignore_index=IGNORE)
+    else:
+        tok = chunked_cross_entropy(h, W, y, chunk=chunk)
+    return (tok * weight).sum(1), h
+
+
+@pytest.mark.parametrize("chunk", [1, 4, 7, 23, 64])
+def test_the_chunked_loss_and_its_gradients_are_the_whole_logits_ones(chunk):
+    W, ids, y = _setup()
+    whole, _ = _model(W, ids, y)
+    gw = torch.autograd.grad(whole.sum(), W)[0]
+    part, _ = _model(W, ids, y, chunk)
+    gp = torch.autograd.grad(part.sum(), W)[0]
+    torch.testing.assert_close(part, whole, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(gp, gw, rtol=1e-12, atol=1e-12)
+
+
+def test_the_chunked_loss_passes_gradcheck():
+    W, ids, y = _setup(1)
+    h = torch.randn(3, 4, d, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda h, W: chunked_cross_entropy(h, W, y[:3, :4], chunk=5), (h, W))
+
+
+@pytest.mark.parametrize("chunk", [3, 8, 23])
+def test_per_example_norms_cross_terms_and_clipped_sum_match_a_brute_force(chunk):
+    """Each example's gradient of the head's use of W, its squared norm, its inner product with the
+    embedding lookup's use (the tie's cross term) and the c-weighted sum, against per-example autograd."""
+    W, ids, y = _setup(2)
+    weight = 1 + torch.arange(T, dtype=W.dtype) / T
+    # per-example gradients of the head's use alone and of the lookup's use alone, by autograd
+    head, look = [], []
+    for i in range(n):
+        Wh = W.detach().clone().requires_grad_(True)
+        We = W.detach().clone().requires_grad_(True)
+        h = torch.tanh(We[ids[i:i + 1]] * 1.3)
+        tok = F.cross_entropy((h @ Wh.T).transpose(1, 2), y[i:i + 1], reduction="none", ignore_index=IGNORE)
+        gh, ge = torch.autograd.grad((tok * weight).sum(), (Wh, We))
+        head.append(gh)
+        look.append(ge)
+    head, look = torch.stack(head), torch.stack(look)
+    # the engine's view: h, the per-token loss gradients g = weight, and the lookup's output gradients r
+    h = torch.tanh(W.detach()[ids] * 1.3).requires_grad_(True)
+    tok = chunked_cross_entropy(h, W.detach(), y, chunk=chunk)
+    (dh,) = torch.autograd.grad((tok * weight).sum(), h)
+    r = dh * 1.3 * (1 - torch.tanh(W.detach()[ids] * 1.3) ** 2)  # d loss / d emb(ids)
+    use = HeadUse(h.detach(), y, weight.expand(n, T), W.detach(), chunk)
+    torch.testing.assert_close(use.sq_norm(), head.pow(2).sum((1, 2)), rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(use.with_lookup(ids, r), (head * look).sum((1, 2)), rtol=1e-10, atol=1e-12)
+    c = torch.tensor([0.3, 1.0, 0.7, 0.1], dtype=torch.float64)
+    torch.testing.assert_close(use.weighted_sum(c), torch.einsum("n,nvd->vd", c, head), rtol=1e-10, atol=1e-12)
