@@ -11,7 +11,10 @@ the token embedding (GPT-2's shape, built from nn modules so that every engine s
 Engines: ``non-private`` (one backward of the summed loss), ``phantom`` and ``phantom-backward``
 (``pipeline.clipping``, the clipped sum by book-keeping or by a second backward pass), ``opacus-hooks``
 (Opacus's per-example gradients, the tie kept: B x V x d floats for the table alone) and
-``opacus-ghost`` (Opacus's ghost clipping on the untied model: it refuses the tie). Each is timed
+``opacus-ghost`` (Opacus's ghost clipping on the untied model: it refuses the tie); on request,
+``non-private-chunked`` and ``phantom-chunked``: the same model with its output layer and loss the
+chunked tied head (``pipeline.clipping.chunked``: ``--chunk`` vocabulary rows at a time, no B x T x V
+tensor), their ratios also to the chunked non-private step (``chunked_*_ratio``). Each is timed
 over ``--repeats`` steps after one warm-up step (median); peak memory is the GPU's peak allocated
 memory on CUDA, and on the CPU the step's growth of the resident set over the process's size before
 it (``ru_maxrss``: cells are run in a fresh process each, so one engine's peak does not hide the
@@ -35,9 +38,10 @@ from benchmarks.measure import measure
 ROOT = Path(__file__).resolve().parents[1]
 warnings.filterwarnings("ignore", message="Full backward hook is firing")  # Opacus's hooks on id-fed layers
 ENGINES = ("non-private", "phantom", "phantom-backward", "opacus-hooks", "opacus-ghost")
+CHUNKED = ("non-private-chunked", "phantom-chunked")  # issue 76: the chunked tied head, on request
 
 
-def build(V: int, d: int, layers: int, T: int, tied: bool):
+def build(V: int, d: int, layers: int, T: int, tied: bool, chunk: int | None = None):
     import torch
     from torch import nn
 
@@ -61,32 +65,44 @@ def build(V: int, d: int, layers: int, T: int, tied: bool):
             self.wte, self.wpe = nn.Embedding(V, d), nn.Embedding(T, d)
             self.blocks = nn.ModuleList(Block() for _ in range(layers))
             self.ln_f = nn.LayerNorm(d)
-            self.head = nn.Linear(d, V, bias=False)
-            if tied:
-                self.head.weight = self.wte.weight
+            if chunk is not None:  # the chunked tied head: forward(ids, targets) gives the per-token losses
+                from pipeline.clipping.chunked import ChunkedTiedHead
 
-        def forward(self, ids):
+                self.chunked = ChunkedTiedHead(self.wte, chunk)
+            else:
+                self.head = nn.Linear(d, V, bias=False)
+                if tied:
+                    self.head.weight = self.wte.weight
+
+        def forward(self, ids, targets=None):
             n, t = ids.shape
             positions = torch.arange(t, device=ids.device).expand(n, t).contiguous()  # Opacus's ghost views them
             h = self.wte(ids.contiguous()) + self.wpe(positions)
             for block in self.blocks:
                 h = block(h)
+            if chunk is not None:
+                return self.chunked(self.ln_f(h), targets)
             return self.head(self.ln_f(h))
 
     return GPT()
 
 
-def cell(engine: str, V: int, B: int, d: int, layers: int, T: int, repeats: int, device: str) -> dict:
+def cell(engine: str, V: int, B: int, d: int, layers: int, T: int, repeats: int, device: str,
+         chunk: int = 8192) -> dict:
     """One engine at one (V, B), in this process: median seconds per step and peak memory (GiB)."""
     import torch
     import torch.nn.functional as F
 
     torch.manual_seed(0)
     dev = torch.device(device)
-    model = build(V, d, layers, T, tied=engine != "opacus-ghost").to(dev)
+    chunked = engine.endswith("-chunked")
+    engine = engine.removesuffix("-chunked")
+    model = build(V, d, layers, T, tied=engine != "opacus-ghost", chunk=chunk if chunked else None).to(dev)
     ids = torch.randint(0, V, (B, T + 1), device=dev)
 
     def per_example(m, batch):
+        if chunked:
+            return m(batch[:, :-1], batch[:, 1:]).sum(1)
         logits = m(batch[:, :-1])
         return F.cross_entropy(logits.transpose(1, 2), batch[:, 1:], reduction="none").sum(1)
 
@@ -145,7 +161,7 @@ def cell(engine: str, V: int, B: int, d: int, layers: int, T: int, repeats: int,
 
     proofs: list[float] = []
     seconds, peak = measure(step, dev, repeats)
-    row = {"engine": engine, "V": V, "B": B, "d": d, "layers": layers, "T": T, "seconds": seconds,
+    row = {"engine": engine + ("-chunked" if chunked else ""), "V": V, "B": B, "d": d, "layers": layers, "T": T, "seconds": seconds,
            "peak_gib": peak, "device": device, "threads": torch.get_num_threads()}
     if proofs:  # the median guard over the measured steps (the first, a warm-up, left out), as a share of a step
         row.update(guard_seconds=statistics.median(proofs[1:] or proofs))
@@ -161,24 +177,25 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--T", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--engines", nargs="+", default=list(ENGINES), choices=ENGINES)
+    parser.add_argument("--engines", nargs="+", default=list(ENGINES), choices=ENGINES + CHUNKED)
+    parser.add_argument("--chunk", type=int, default=8192, help="the chunked head's vocabulary rows at a time")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--json", type=Path, help="write every row here")
     parser.add_argument("--cell", nargs=2, metavar=("ENGINE", "V,B"), help=argparse.SUPPRESS)  # a child's one cell
     args = parser.parse_args(argv)
     if args.cell:
         V, B = (int(x) for x in args.cell[1].split(","))
-        print(json.dumps(cell(args.cell[0], V, B, args.d, args.layers, args.T, args.repeats, args.device)))
+        print(json.dumps(cell(args.cell[0], V, B, args.d, args.layers, args.T, args.repeats, args.device, args.chunk)))
         return []
     rows = []
     print(f"{'V':>7} {'B':>3} {'engine':<17} {'s/step':>8} {'x time':>7} {'peak GiB':>9} {'x memory':>9} {'guard':>7}")
     for V in args.V:
         for B in args.B:
-            base = None
+            base = chunk_base = None
             for engine in args.engines:
                 cmd = [sys.executable, "-m", "benchmarks.clipping", "--cell", engine, f"{V},{B}", "--d", str(args.d),
                        "--layers", str(args.layers), "--T", str(args.T), "--repeats", str(args.repeats),
-                       "--device", args.device]
+                       "--device", args.device, "--chunk", str(args.chunk)]
                 proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=dict(os.environ))
                 if proc.returncode != 0:
                     reason = (proc.stderr.strip().splitlines() or ["failed"])[-1][:80]
@@ -187,6 +204,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
                     continue
                 row = json.loads(proc.stdout.strip().splitlines()[-1])
                 base = row if engine == "non-private" else base
+                chunk_base = row if engine == "non-private-chunked" else chunk_base
+                if engine.endswith("-chunked") and chunk_base is not None:
+                    row.update(chunked_time_ratio=row["seconds"] / chunk_base["seconds"],
+                               chunked_memory_ratio=row["peak_gib"] / chunk_base["peak_gib"] if chunk_base["peak_gib"] > 0
+                               else None)
                 ratio_t = row["seconds"] / base["seconds"] if base else None
                 ratio_m = row["peak_gib"] / base["peak_gib"] if base and base["peak_gib"] > 0 else None  # JSON: null
                 row.update(time_ratio=ratio_t, memory_ratio=ratio_m)

@@ -77,3 +77,66 @@ def test_per_example_norms_cross_terms_and_clipped_sum_match_a_brute_force(chunk
     torch.testing.assert_close(use.with_lookup(ids, r), (head * look).sum((1, 2)), rtol=1e-10, atol=1e-12)
     c = torch.tensor([0.3, 1.0, 0.7, 0.1], dtype=torch.float64)
     torch.testing.assert_close(use.weighted_sum(c), torch.einsum("n,nvd->vd", c, head), rtol=1e-10, atol=1e-12)
+
+
+class ChunkedLM(torch.nn.Module):
+    """A tied toy LM (nanoGPT's positions as written) whose output layer and loss are the chunked head."""
+
+    def __init__(self, chunk):
+        from pipeline.clipping.chunked import ChunkedTiedHead
+
+        super().__init__()
+        self.emb = torch.nn.Embedding(V, d, padding_idx=0)
+        self.pos = torch.nn.Embedding(T, d)
+        self.mid = torch.nn.Linear(d, d)
+        self.head = ChunkedTiedHead(self.emb, chunk=chunk)
+
+    def forward(self, ids, targets):
+        h = self.emb(ids) + self.pos(torch.arange(ids.shape[1]))
+        return self.head(torch.tanh(self.mid(h)), targets)
+
+
+def chunked_loss(model, batch):
+    ids, targets = batch
+    return model(ids, targets).sum(1)
+
+
+def whole_loss(model, batch):
+    """The same model's loss through whole logits (h W^T), for the brute force."""
+    ids, targets = batch
+    h = torch.tanh(model.mid(model.emb(ids) + model.pos(torch.arange(ids.shape[1]))))
+    return F.cross_entropy((h @ model.emb.weight.T).transpose(1, 2), targets, reduction="none",
+                           ignore_index=IGNORE).sum(1)
+
+
+@pytest.mark.parametrize("chunk, n_", [(4, 4), (7, T), (64, 1)])
+def test_the_engine_clips_a_model_with_the_chunked_head_as_the_brute_force(chunk, n_):
+    """Phantom Clipping on the chunked head: the tie found, each example's norm and the clipped sum equal
+    a float64 per-example brute force through whole logits (n = T included: nanoGPT's positions)."""
+    from pipeline.clipping import PhantomClipping, coefficients
+
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        torch.manual_seed(5)
+        model = ChunkedLM(chunk)
+        g = torch.Generator().manual_seed(6)
+        ids = torch.randint(0, V, (n_, T), generator=g)
+        targets = torch.randint(1, V, (n_, T), generator=g)
+        targets[0, :2] = IGNORE
+        params = [p for p in model.parameters() if p.requires_grad]
+        grads = []
+        for i in range(n_):
+            grads.append(torch.autograd.grad(whole_loss(model, (ids[i:i + 1], targets[i:i + 1])).sum(), params))
+        norms = torch.stack([torch.stack([gi.pow(2).sum() for gi in per]).sum().sqrt() for per in grads])
+        engine = PhantomClipping(model, C=float(norms.median()))
+        assert engine.ties() == {"emb.weight": ["emb", "head.loss"]}
+        losses, got = engine.step(chunked_loss, (ids, targets))
+        torch.testing.assert_close(losses, whole_loss(model, (ids, targets)).detach(), rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(got, norms, rtol=1e-9, atol=1e-12)
+        c = coefficients(norms, C=float(norms.median()))
+        for k, p in enumerate(params):
+            want = sum(c[i] * grads[i][k] for i in range(n_))
+            torch.testing.assert_close(p.grad, want, rtol=1e-9, atol=1e-12)
+    finally:
+        torch.set_default_dtype(before)

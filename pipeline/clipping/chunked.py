@@ -25,6 +25,11 @@ Exact against the whole-logits computation and a float64 brute force (tests/test
 from __future__ import annotations
 
 import torch
+from torch import nn
+
+from pipeline.clipping import layers
+from pipeline.clipping.guard import Unsupported
+from pipeline.clipping.uses import Outer
 
 IGNORE = -100  # the targets that carry no loss (PyTorch's cross_entropy default ignore_index)
 
@@ -125,6 +130,39 @@ class HeadUse:
         left = self.g[..., None] * (self._p_at(ids) - (self.y[:, :, None] == ids[:, None, :]).to(self.h.dtype))
         return (left * (self.h @ right.transpose(1, 2))).sum((1, 2))
 
+    def _left(self, start: int, stop: int) -> torch.Tensor:
+        """(n, T, stop - start): l_t on rows start..stop - 1."""
+        p = torch.exp(self.h @ self.W[start:stop].T - self.lse[..., None])
+        rows = torch.arange(start, stop, device=self.y.device)
+        return self.g[..., None] * (p - (self.y[..., None] == rows).to(p.dtype))
+
+    def _dense_gram(self, left: torch.Tensor, start: int) -> torch.Tensor:
+        """(n, T, S): l_t . b_s for a dense left factor ``left`` (n, S, W) on rows start..start + W - 1."""
+        out = torch.zeros(self.h.shape[0], self.h.shape[1], left.shape[1], dtype=self.h.dtype, device=self.h.device)
+        stop = start + left.shape[-1]
+        for a, b in _chunks(self.rows, self.chunk):
+            lo, hi = max(a, start), min(b, stop)
+            if lo < hi:
+                out += self._left(lo, hi) @ left[..., lo - start:hi - start].to(self.h.dtype).transpose(1, 2)
+        return out
+
+    def inner(self, other, n: int, shape) -> torch.Tensor:
+        """(n,): <G_i, G'_i> with another use of the table (``pipeline.clipping.uses.inner``)."""
+        if other is self:
+            return self.sq_norm()
+        if isinstance(other, HeadUse):
+            gram = torch.zeros(n, self.h.shape[1], other.h.shape[1], dtype=self.h.dtype, device=self.h.device)
+            for a, b in _chunks(self.rows, self.chunk):
+                gram += self._left(a, b) @ other._left(a, b).transpose(1, 2)
+            return (gram * (self.h @ other.h.transpose(1, 2).to(self.h.dtype))).sum((1, 2))
+        if isinstance(other, Outer) and other.rows == self.rows:
+            right = other.right.to(self.h.dtype)
+            if other.index:
+                return self.with_lookup(other.left, right)
+            return (self._dense_gram(other.left, other.span[0]) * (self.h @ right.transpose(1, 2))).sum((1, 2))
+        raise Unsupported("the chunked output layer's table is also used by a layer whose per-example gradient is "
+                          "given whole (a Direct use): its inner product with the chunked head is not implemented")
+
     def weighted_sum(self, c: torch.Tensor) -> torch.Tensor:
         """(V, d): sum_i c_i G_i, a chunk of rows at a time."""
         n, T, d = self.h.shape
@@ -135,3 +173,49 @@ class HeadUse:
         for start, stop in _chunks(self.rows, self.chunk):
             out[start:stop] = (torch.exp(h @ self.W[start:stop].T - lse[:, None]) * w[:, None]).T @ h
         return out.index_add_(0, self.y.reshape(-1), -w[:, None] * h)
+
+
+class _PackedLoss(nn.Module):
+    """The chunked loss on (..., d + 1) inputs, the hidden states with the targets as a last column (the
+    engine hands a registered layer its first input only): the registered function reads both."""
+
+    def __init__(self, weight: nn.Parameter, chunk: int):
+        super().__init__()
+        self.weight, self.chunk = weight, int(chunk)
+
+    def forward(self, packed: torch.Tensor) -> torch.Tensor:
+        h, y = packed[..., :-1], packed[..., -1].round().long()
+        return chunked_cross_entropy(h, self.weight.to(h.dtype), y, self.chunk)
+
+
+@layers.register(_PackedLoss)
+def _packed_loss(layer: _PackedLoss, x: torch.Tensor, g: torch.Tensor, n: int):
+    """The head's use of the table: ``HeadUse`` (never the (n, T, V) left factor)."""
+    h, y = x[..., :-1], x[..., -1].round().long()
+    d = h.shape[-1]
+    return [(layer.weight, HeadUse(h.reshape(n, -1, d), y.reshape(n, -1), g.reshape(n, -1),
+                                   layer.weight.detach().to(h.dtype), layer.chunk))]
+
+
+class ChunkedTiedHead(nn.Module):
+    """The output layer tied to ``embedding`` (its weight, the same Parameter) and the per-token
+    cross-entropy, over the vocabulary ``chunk`` rows at a time: ``head(h, targets)`` returns the
+    (..., T) losses of the logits h W^T (targets ``IGNORE``: 0), and no (..., V) tensor exists in the
+    forward or backward pass or in the clipping engine's per-example norms. Replace a model's
+    ``lm_head`` and its loss by it (docs/clipping.md). The targets travel in the loss layer's input as
+    a column of h's dtype (float32 at least: exact below 2^24 targets)."""
+
+    def __init__(self, embedding: nn.Embedding, chunk: int = 8192):
+        super().__init__()
+        if not isinstance(chunk, int) or isinstance(chunk, bool) or chunk < 1:
+            raise ValueError(f"chunk must be a positive integer, got {chunk!r}")
+        self.loss = _PackedLoss(embedding.weight, chunk)
+
+    @property
+    def weight(self) -> nn.Parameter:
+        return self.loss.weight
+
+    def forward(self, h: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        dtype = torch.promote_types(h.dtype, torch.float32)
+        packed = torch.cat([h.to(dtype), targets.unsqueeze(-1).to(dtype)], -1)
+        return self.loss(packed)
