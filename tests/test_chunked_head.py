@@ -140,3 +140,53 @@ def test_the_engine_clips_a_model_with_the_chunked_head_as_the_brute_force(chunk
             torch.testing.assert_close(p.grad, want, rtol=1e-9, atol=1e-12)
     finally:
         torch.set_default_dtype(before)
+
+
+class ChunkedGPT2(torch.nn.Module):
+    """A Hugging Face GPT-2 (built from a config) whose lm_head and loss are the chunked tied head: the
+    documented recipe (docs/clipping.md)."""
+
+    def __init__(self, chunk):
+        from transformers import GPT2Config, GPT2LMHeadModel
+
+        from pipeline.clipping.chunked import ChunkedTiedHead
+
+        super().__init__()
+        gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=V, n_positions=T, n_embd=8, n_layer=1, n_head=2, resid_pdrop=0.0,
+                                          embd_pdrop=0.0, attn_pdrop=0.0))
+        self.transformer = gpt2.transformer
+        self.head = ChunkedTiedHead(self.transformer.wte, chunk=chunk)
+
+    def forward(self, ids, targets):
+        return self.head(self.transformer(ids).last_hidden_state, targets)
+
+
+@pytest.mark.parametrize("sum_by", ["bookkeeping", "backward"])
+def test_a_hugging_face_gpt2_with_the_chunked_head_is_clipped_as_the_brute_force(sum_by):
+    from pipeline.clipping import PhantomClipping, coefficients
+
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        torch.manual_seed(8)
+        model = ChunkedGPT2(chunk=5).eval()
+        g = torch.Generator().manual_seed(9)
+        ids = torch.randint(0, V, (3, T), generator=g)
+        targets = torch.randint(0, V, (3, T), generator=g)
+
+        def whole(m, batch):
+            h = m.transformer(batch[0]).last_hidden_state
+            return F.cross_entropy((h @ m.head.weight.T).transpose(1, 2), batch[1], reduction="none").sum(1)
+
+        params = [p for p in model.parameters() if p.requires_grad]
+        grads = [torch.autograd.grad(whole(model, (ids[i:i + 1], targets[i:i + 1])).sum(), params) for i in range(3)]
+        norms = torch.stack([torch.stack([x.pow(2).sum() for x in per]).sum().sqrt() for per in grads])
+        engine = PhantomClipping(model, C=float(norms.median()), sum_by=sum_by)
+        assert engine.ties() == {"transformer.wte.weight": ["transformer.wte", "head.loss"]}
+        _, got = engine.step(lambda m, b: m(*b).sum(1), (ids, targets))
+        torch.testing.assert_close(got, norms, rtol=1e-9, atol=1e-12)
+        c = coefficients(norms, C=float(norms.median()))
+        for k, p in enumerate(params):
+            torch.testing.assert_close(p.grad, sum(c[i] * grads[i][k] for i in range(3)), rtol=1e-9, atol=1e-12)
+    finally:
+        torch.set_default_dtype(before)
