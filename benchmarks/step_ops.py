@@ -105,7 +105,7 @@ def measure(model, loss_fn, batch) -> list[dict]:
         model.zero_grad(set_to_none=True)
         loss_fn(model, batch).sum().backward()
 
-    engine = PhantomClipping(model, C=1.0)
+    engine = PhantomClipping(model, C=1.0, stack=True)  # a GPU step's batched products (stack=None: on CUDA only)
     rows = []
     for name, step in (("non-private", plain), ("phantom", lambda: engine.step(loss_fn, batch))):
         step()
