@@ -107,6 +107,10 @@ class HeadUse:
     def rows(self) -> int:
         return self.W.shape[0]
 
+    def _probs(self, start: int, stop: int) -> torch.Tensor:
+        """(n, T, stop - start): p_t on rows start..stop - 1."""
+        return torch.exp(self.h @ self.W[start:stop].T - self.lse[..., None])
+
     def _p_at(self, ids: torch.Tensor) -> torch.Tensor:
         """(n, T, S): p_t[ids_s], each example's probabilities at the S rows ``ids`` (n, S) name."""
         return torch.exp(self.h @ self.W[ids].transpose(1, 2) - self.lse[..., None])
@@ -115,7 +119,7 @@ class HeadUse:
         """(n, T, T): l_t . l_s."""
         pp = torch.zeros(self.h.shape[0], self.h.shape[1], self.h.shape[1], dtype=self.h.dtype, device=self.h.device)
         for start, stop in _chunks(self.rows, self.chunk):
-            p = torch.exp(self.h @ self.W[start:stop].T - self.lse[..., None])  # (n, T, chunk)
+            p = self._probs(start, stop)
             pp += p @ p.transpose(1, 2)
         at = self._p_at(self.y)  # p_t[y_s]
         same = (self.y[:, :, None] == self.y[:, None, :]).to(self.h.dtype)
@@ -132,7 +136,7 @@ class HeadUse:
 
     def _left(self, start: int, stop: int) -> torch.Tensor:
         """(n, T, stop - start): l_t on rows start..stop - 1."""
-        p = torch.exp(self.h @ self.W[start:stop].T - self.lse[..., None])
+        p = self._probs(start, stop)
         rows = torch.arange(start, stop, device=self.y.device)
         return self.g[..., None] * (p - (self.y[..., None] == rows).to(p.dtype))
 
