@@ -126,6 +126,14 @@ def test_the_shared_archives_cross_posts_and_repeats_are_removed():
     assert not pub & {data.message(t) for s in data.SPLITS for t in private[s]}
     seen = [data.message(t) for s in data.SPLITS for t in private[s]]
     assert len(seen) == len(set(seen))
+    # the cached reading gives the same sides and dedupes once per archive and side assignment
+    data._dedupe_once.cache_clear()
+    for part in ("public", "private", "private"):
+        assert data.read_cached(str(archive), public_groups=groups, part=part) == (public if part == "public" else private)
+    assert data.read_cached(str(archive), part="all") == data.side(corpus, None, "all")
+    info = data._dedupe_once.cache_info()
+    assert (info.misses, info.hits) == (2, 2)
+    assert data.deduped_cached(str(archive), groups)[1] == data.dedupe(corpus, groups)[1]
 
 
 def test_a_tiny_archive_is_refused_naming_the_archive_and_the_fraction():

@@ -158,13 +158,24 @@ def read_cached(path: str, *, public_groups: tuple[str, ...] | None = None, part
     """``read`` once per process and archive (a sweep's validation reads it once for all cells); an
     archive replaced in place (another size or time) is read again. With ``part`` public or private:
     that side of the groups (``side``)."""
-    return side(read_groups_cached(path), public_groups, part)
+    return side(read_groups_cached(path), public_groups, part, deduped=lambda groups: deduped_cached(path, groups)[0])
 
 
 def read_groups_cached(path: str) -> dict[str, list[tuple[str, str]]]:
     """``read_groups`` once per process and archive (as ``read_cached``)."""
     st = os.stat(path)
     return _read_once(path, st.st_size, st.st_mtime_ns)
+
+
+def deduped_cached(path: str, public_groups: tuple[str, ...] | None) -> tuple[dict[str, list[tuple[str, str]]], "Removed"]:
+    """``dedupe`` of the archive's posts once per process, archive and side assignment (as ``read_cached``)."""
+    st = os.stat(path)
+    return _dedupe_once(path, st.st_size, st.st_mtime_ns, None if public_groups is None else tuple(public_groups))
+
+
+@functools.lru_cache(maxsize=4)
+def _dedupe_once(path: str, size: int, mtime_ns: int, public_groups: tuple[str, ...] | None):
+    return dedupe(_read_once(path, size, mtime_ns), public_groups)
 
 
 @functools.lru_cache(maxsize=2)
@@ -193,15 +204,17 @@ def check_groups(groups, key: str = "dataset.public_groups") -> tuple[str, ...] 
 
 
 def side(corpus: dict[str, list[tuple[str, str]]], public_groups: tuple[str, ...] | None,
-         part: str) -> dict[str, list[str]]:
+         part: str, deduped=None) -> dict[str, list[str]]:
     """The posts of one side (``part``: public, private, or all) of ``read_groups``' corpus: the
     public groups' posts, the others', or every post in the tarball's order. A side's train split
     keeps the tarball's order (``split`` permutes it), its test split is put in round-robin order
-    over its groups. DataError naming the key where a public group or a side has no posts."""
+    over its groups. DataError naming the key where a public group or a side has no posts. ``deduped``:
+    ``public_groups -> dedupe(corpus, public_groups)[0]`` where the caller keeps it (``read_cached``)."""
+    deduped = deduped or (lambda groups: dedupe(corpus, groups)[0])
     if part not in PARTS:
         raise DataError(f"dataset.part {part!r} is unknown; known: {list(PARTS)}")
     if part == "all":
-        return texts(dedupe(corpus, None)[0])
+        return texts(deduped(None))
     if public_groups is None:
         raise DataError(f"dataset.part = {part!r} needs dataset.public_groups (the assignment of the groups to the "
                         f"public side), got null")
@@ -210,7 +223,7 @@ def side(corpus: dict[str, list[tuple[str, str]]], public_groups: tuple[str, ...
     if absent:
         raise DataError(f"dataset.public_groups: {absent[0]!r} has no posts in the archive")
     public = set(public_groups)
-    corpus, _ = dedupe(corpus, public_groups)
+    corpus = deduped(tuple(public_groups))
     out = {}
     for split, posts in corpus.items():
         kept = [(g, text) for g, text in posts if (g in public) == (part == "public")]

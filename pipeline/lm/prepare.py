@@ -78,8 +78,7 @@ def _prepare(s, seed: int) -> Prepared:
     with progress.Progress("preparing data", total=3) as bar:  # seconds to minutes: the vocabulary and the encoding
         bar.start("posts: reading and splitting")
         corpus = data.read_cached(str(data.resolve(s.archive)), public_groups=s.public_groups, part=s.part)
-        _, removed = data.dedupe(data.read_groups_cached(str(data.resolve(s.archive))),
-                                 s.public_groups if s.part != "all" else None)
+        _, removed = data.deduped_cached(str(data.resolve(s.archive)), s.public_groups if s.part != "all" else None)
         log.info("posts: one message, one side, one privacy unit: %s", removed.line())
         posts = data.split(corpus, valid_fraction=s.valid_fraction, seed=streams.seed_of(seed, "split"))
         train = posts.train[: s.posts] if s.posts else posts.train
