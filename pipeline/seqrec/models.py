@@ -24,6 +24,12 @@ from pipeline.clipping import register
 from pipeline.clipping.uses import Outer
 
 
+def at_last(t: torch.Tensor, last: bool) -> torch.Tensor:
+    """``last=True``'s convention, written once for every model: a (n, T, ...) tensor's last position
+    kept as a time dimension of length one, (n, 1, ...) (what ranking reads); ``last=False``: ``t``."""
+    return t[:, -1:] if last else t
+
+
 class TiedEmbedding(nn.Module):
     """One item table E (M+1, d), row 0 padding, used twice: called on integer ids it is the
     input lookup (n, T) -> (n, T, d); called on hidden states h (n, T, d) it gives the scores
@@ -81,7 +87,7 @@ class CausalSelfAttention(nn.Module):
     def logits(self, x: torch.Tensor, last: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Queries, values and the scaled scores <q_t, k_i> / sqrt(d / h), unmasked: (n, h, T, .); ``last``:
         the last position's query only (scores (n, h, 1, T))."""
-        q, k, v = self.split(self.q(x[:, -1:] if last else x)), self.split(self.k(x)), self.split(self.v(x))
+        q, k, v = self.split(self.q(at_last(x, last))), self.split(self.k(x)), self.split(self.v(x))
         return q, v, q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])
 
     def forward(self, x: torch.Tensor, allowed: torch.Tensor, record: list | None = None,
@@ -107,7 +113,7 @@ class Block(nn.Module):
 
     def forward(self, x, allowed, record: list | None = None, last: bool = False):
         """``last``: the output at the last position only (n, 1, d) (``allowed`` its row)."""
-        x = self.ln1((x[:, -1:] if last else x) + self.drop(self.attn(x, allowed, record, last)))
+        x = self.ln1(at_last(x, last) + self.drop(self.attn(x, allowed, record, last)))
         return self.ln2(x + self.drop(self.ff2(self.drop(F.relu(self.ff1(x))))))
 
 
@@ -173,7 +179,7 @@ class Transformer(SeqModel):
         x, _, allowed = self.inputs(ids)
         for number, block in enumerate(self.blocks, 1):
             final = last and number == len(self.blocks)
-            x = block(x, allowed[:, -1:] if final else allowed, record, final)
+            x = block(x, at_last(allowed, final), record, final)
         return self.scores(x)
 
 
@@ -214,7 +220,7 @@ class Recurrent(SeqModel):
                 h, c = torch.where(keep, h_new, h), torch.where(keep, c_new, c)
                 outs.append(h)
             x = self.drop(torch.stack(outs, 1))
-        return self.scores(x[:, -1:] if last else x)
+        return self.scores(at_last(x, last))
 
 
 ARCHS = ("transformer", "gru", "lstm")  # model.arch; train.build makes each (Re-Attention: pipeline/seqrec/reattention.py)

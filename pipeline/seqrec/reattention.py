@@ -98,7 +98,7 @@ import torch.nn.functional as F
 
 from pipeline import rng
 from pipeline.seqrec.keyvar import Pullback
-from pipeline.seqrec.models import Transformer
+from pipeline.seqrec.models import Transformer, at_last
 
 FORMS = ("propagated", "sampled", "paper", "off")  # model.reattention.form: the logit variance the correction uses
 ERRORS = ("paper", "adam")  # model.reattention.errors: the parameters' noise the correction assumes (1. or 4. above)
@@ -294,7 +294,7 @@ class DPFormer(Transformer):
             out = self._forward_sampled(ids, record)
             if last and record:
                 record[-1] = {k: v if k == "x" else v[:, :, -1:] for k, v in record[-1].items()}
-            return out[:, -1:] if last else out
+            return at_last(out, last)
         x, mask, allowed = self.inputs(ids)
         with torch.no_grad():
             e2 = self.item_err.to(x.dtype)[ids] ** 2 * mask
@@ -438,7 +438,7 @@ class DPFormer(Transformer):
         pull, var = var, var.diag if isinstance(var, Pullback) else var
         with torch.no_grad():
             lv, used = self.correction(attn, mean, pull, q.detach(), number)
-        out, a = self._attend(block, x[:, -1:] if last else x, v, scores, used, allowed[:, -1:] if last else allowed)
+        out, a = self._attend(block, at_last(x, last), v, scores, used, at_last(allowed, last))
         if record is not None:
             record.append({"var": lv, "used": used, "att": a, "x": x.detach(), "q": q.detach()})
         if not propagate:
