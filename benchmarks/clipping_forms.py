@@ -7,7 +7,8 @@ against materialising the per-example gradients, at the layer shapes of the proj
 ``pipeline.clipping.uses.inner`` chooses between two exact ways of computing <G_i^a, G_i^b> for a
 weight W (P x Q) used as G_i = sum_t left_it right_it^T: the Gram form, sum_{t,s} (left_t . left_s)
 (right_t . right_s), T S (P + Q) multiply-adds per example, and materialising G_i (T P Q per use
-formed, then P Q for the product). ``form="auto"`` takes the one that counts fewer multiply-adds.
+formed, then P Q for the product). ``form="auto"`` takes the one that counts fewer multiply-adds,
+materialising's count weighted by ``uses.MATERIALISING`` (set from this benchmark's rows).
 This benchmark times both on random factors at each shape (median of ``--repeats`` calls after a
 warm-up, each form in the same process), checks that they agree (they are the same number in two
 summation orders), and prints which one ``auto`` chose, so that the rule can be set against what the

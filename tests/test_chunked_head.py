@@ -79,6 +79,18 @@ def test_per_example_norms_cross_terms_and_clipped_sum_match_a_brute_force(chunk
     torch.testing.assert_close(use.weighted_sum(c), torch.einsum("n,nvd->vd", c, head), rtol=1e-10, atol=1e-12)
 
 
+def _spy(monkeypatch):
+    """The engine's own passes over the vocabulary (``logsumexp`` calls) and what the backward passes
+    answered to "is the table's gradient wanted?" (``_wanted``)."""
+    from pipeline.clipping import chunked
+
+    passes, wanted = [], []
+    lse, want = chunked.logsumexp, chunked._wanted
+    monkeypatch.setattr(chunked, "logsumexp", lambda *a: passes.append(1) or lse(*a))
+    monkeypatch.setattr(chunked, "_wanted", lambda node: wanted.append(want(node)) or wanted[-1])
+    return passes, wanted
+
+
 class ChunkedLM(torch.nn.Module):
     """A tied toy LM (nanoGPT's positions as written) whose output layer and loss are the chunked head."""
 
@@ -110,9 +122,10 @@ def whole_loss(model, batch):
 
 
 @pytest.mark.parametrize("chunk, n_", [(4, 4), (7, T), (64, 1)])
-def test_the_engine_clips_a_model_with_the_chunked_head_as_the_brute_force(chunk, n_):
+def test_the_engine_clips_a_model_with_the_chunked_head_as_the_brute_force(chunk, n_, monkeypatch):
     """Phantom Clipping on the chunked head: the tie found, each example's norm and the clipped sum equal
-    a float64 per-example brute force through whole logits (n = T included: nanoGPT's positions)."""
+    a float64 per-example brute force through whole logits (n = T included: nanoGPT's positions), on
+    the first step (the engine's passes) and after (the forward pass's Gram)."""
     from pipeline.clipping import PhantomClipping, coefficients
 
     before = torch.get_default_dtype()
@@ -131,13 +144,20 @@ def test_the_engine_clips_a_model_with_the_chunked_head_as_the_brute_force(chunk
         norms = torch.stack([torch.stack([gi.pow(2).sum() for gi in per]).sum().sqrt() for per in grads])
         engine = PhantomClipping(model, C=float(norms.median()))
         assert engine.ties() == {"emb.weight": ["emb", "head.loss"]}
-        losses, got = engine.step(chunked_loss, (ids, targets))
-        torch.testing.assert_close(losses, whole_loss(model, (ids, targets)).detach(), rtol=1e-12, atol=1e-12)
-        torch.testing.assert_close(got, norms, rtol=1e-9, atol=1e-12)
-        c = coefficients(norms, C=float(norms.median()))
-        for k, p in enumerate(params):
-            want = sum(c[i] * grads[i][k] for i in range(n_))
-            torch.testing.assert_close(p.grad, want, rtol=1e-9, atol=1e-12)
+        passes, wanted = _spy(monkeypatch)
+        # step 1: the engine's own passes over the vocabulary; step 2 (same weights): the forward pass's
+        # log-sum-exps and Gram, no pass of the engine's own; the table's gradient never formed in its pass
+        for step in (1, 2):
+            passes.clear(), wanted.clear()
+            losses, got = engine.step(chunked_loss, (ids, targets))
+            assert (len(passes) > 0) == (step == 1 and n_ > 0) and wanted == [False]
+            assert model.head.loss.gram and not model.head.loss._saved
+            torch.testing.assert_close(losses, whole_loss(model, (ids, targets)).detach(), rtol=1e-12, atol=1e-12)
+            torch.testing.assert_close(got, norms, rtol=1e-9, atol=1e-12)
+            c = coefficients(norms, C=float(norms.median()))
+            for k, p in enumerate(params):
+                want = sum(c[i] * grads[i][k] for i in range(n_))
+                torch.testing.assert_close(p.grad, want, rtol=1e-9, atol=1e-12)
     finally:
         torch.set_default_dtype(before)
 
@@ -183,10 +203,11 @@ def test_a_hugging_face_gpt2_with_the_chunked_head_is_clipped_as_the_brute_force
         norms = torch.stack([torch.stack([x.pow(2).sum() for x in per]).sum().sqrt() for per in grads])
         engine = PhantomClipping(model, C=float(norms.median()), sum_by=sum_by)
         assert engine.ties() == {"transformer.wte.weight": ["transformer.wte", "head.loss"]}
-        _, got = engine.step(lambda m, b: m(*b).sum(1), (ids, targets))
-        torch.testing.assert_close(got, norms, rtol=1e-9, atol=1e-12)
-        c = coefficients(norms, C=float(norms.median()))
-        for k, p in enumerate(params):
-            torch.testing.assert_close(p.grad, sum(c[i] * grads[i][k] for i in range(3)), rtol=1e-9, atol=1e-12)
+        for _ in range(2):  # the engine's passes, then the forward pass's Gram
+            _, got = engine.step(lambda m, b: m(*b).sum(1), (ids, targets))
+            torch.testing.assert_close(got, norms, rtol=1e-9, atol=1e-12)
+            c = coefficients(norms, C=float(norms.median()))
+            for k, p in enumerate(params):
+                torch.testing.assert_close(p.grad, sum(c[i] * grads[i][k] for i in range(3)), rtol=1e-9, atol=1e-12)
     finally:
         torch.set_default_dtype(before)

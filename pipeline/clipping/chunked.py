@@ -24,8 +24,11 @@ Exact against the whole-logits computation and a float64 brute force (tests/test
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 from torch import nn
+from torch.autograd.graph import get_gradient_edge
 
 from pipeline.clipping import layers
 from pipeline.clipping.guard import Unsupported
@@ -41,53 +44,99 @@ def _chunks(V: int, chunk: int):
 
 def logsumexp(h: torch.Tensor, W: torch.Tensor, chunk: int) -> torch.Tensor:
     """(N,) log sum_v exp(h_t . W_v), over ``chunk`` rows of W at a time (a running maximum and sum)."""
-    top = torch.full(h.shape[:1], float("-inf"), dtype=h.dtype, device=h.device)
-    total = torch.zeros(h.shape[:1], dtype=h.dtype, device=h.device)
+    return _scan(h, W, chunk)[0]
+
+
+def _scan(h: torch.Tensor, W: torch.Tensor, chunk: int, expected: bool = False, groups: int = 0):
+    """One pass over the vocabulary, ``chunk`` rows of W at a time, each sum kept relative to a running
+    maximum m_t (rescaled by exp(m_old - m_new) when it rises): the log-sum-exp lse_t (N,); with
+    ``expected``, E_t = sum_v p_tv W_v (N, d), which makes the input's gradient g_t (E_t - W[y_t]) with
+    no pass in the backward; with ``groups`` k > 0, the probabilities' Gram p_t . p_s within each of k
+    groups of N / k consecutive rows (k, N / k, N / k), the engine's per-example Gram (``HeadUse``).
+    None for what was not asked."""
+    N = h.shape[0]
+    top = torch.full((N,), float("-inf"), dtype=h.dtype, device=h.device)
+    total = torch.zeros(N, dtype=h.dtype, device=h.device)
+    E = torch.zeros_like(h) if expected else None
+    S = torch.zeros(groups, N // groups, N // groups, dtype=h.dtype, device=h.device) if groups else None
     for start, stop in _chunks(W.shape[0], chunk):
         z = h @ W[start:stop].T
         new = torch.maximum(top, z.max(1).values)
-        total = total * torch.exp(top - new) + torch.exp(z - new[:, None]).sum(1)
+        scale = torch.exp(top - new)
+        e = torch.exp(z - new[:, None])
+        total = total * scale + e.sum(1)
+        if E is not None:
+            E = E * scale[:, None] + e @ W[start:stop]
+        if S is not None:
+            es, sc = e.view(groups, N // groups, -1), scale.view(groups, -1)
+            S = S * (sc[:, :, None] * sc[:, None, :]) + es @ es.transpose(1, 2)
         top = new
-    return top + torch.log(total)
+    if E is not None:
+        E = E / total[:, None]
+    if S is not None:
+        t = total.view(groups, -1)
+        S = S / (t[:, :, None] * t[:, None, :])
+    return top + torch.log(total), E, S
+
+
+def _wanted(node) -> bool:
+    """Whether the running backward pass reaches ``node`` (the table's gradient accumulator): the
+    engine's pass to the layers' outputs does not, and its table gradient is then never formed."""
+    if node is None:
+        return False
+    try:
+        return bool(torch._C._will_engine_execute_node(node))
+    except (AttributeError, RuntimeError):  # no such query in this torch, or outside a backward pass
+        return True
 
 
 class _ChunkedCE(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, h, W, y, chunk):
-        lse = logsumexp(h, W, chunk)
+    def forward(ctx, h, W, y, chunk, train, groups, node):
         keep = y != IGNORE
         target = torch.where(keep, y, torch.zeros_like(y))
+        lse, E, pp = _scan(h, W, chunk, expected=train and ctx.needs_input_grad[0], groups=groups if train else 0)
         loss = (lse - (h * W[target]).sum(1)) * keep.to(h.dtype)
-        ctx.save_for_backward(h, W, target, keep, lse)
-        ctx.chunk = chunk
-        return loss
+        ctx.save_for_backward(h, W, target, keep, lse, E if E is not None else h.new_zeros(0))
+        ctx.chunk, ctx.node = chunk, node
+        pp = pp if pp is not None else h.new_zeros(0)
+        ctx.mark_non_differentiable(lse, pp)
+        return loss, lse, pp
 
     @staticmethod
-    def backward(ctx, g):
-        h, W, target, keep, lse = ctx.saved_tensors
+    def backward(ctx, g, _lse, _pp):
+        h, W, target, keep, lse, E = ctx.saved_tensors
         g = g * keep.to(g.dtype)
-        dh = torch.zeros_like(h) if ctx.needs_input_grad[0] else None
-        dW = torch.zeros_like(W) if ctx.needs_input_grad[1] else None
-        for start, stop in _chunks(W.shape[0], ctx.chunk):
-            d = torch.exp(h @ W[start:stop].T - lse[:, None]) * g[:, None]  # (N, chunk): g_t p_t on these rows
-            if dh is not None:
-                dh += d @ W[start:stop]
-            if dW is not None:
-                dW[start:stop] += d.T @ h
-        if dh is not None:
-            dh -= g[:, None] * W[target]
-        if dW is not None:
+        dh = dW = None
+        if ctx.needs_input_grad[0]:  # E was formed in the forward pass (it needed h's gradient)
+            dh = g[:, None] * (E - W[target])
+        if ctx.needs_input_grad[1] and _wanted(ctx.node):
+            dW = torch.zeros_like(W)
+            for start, stop in _chunks(W.shape[0], ctx.chunk):
+                dW[start:stop] += (torch.exp(h @ W[start:stop].T - lse[:, None]) * g[:, None]).T @ h
             dW.index_add_(0, target, -g[:, None] * h)
-        return dh, dW, None, None
+        return dh, dW, None, None, None, None, None
+
+
+def _apply(h: torch.Tensor, W: torch.Tensor, y: torch.Tensor, chunk: int, gram: bool = False):
+    """The per-token losses shaped as ``y``, their log-sum-exps (N,) and, with ``gram`` and ``y`` of
+    two or more dimensions, the probabilities' Gram within each ``y.shape[0]`` group (``_scan``)."""
+    if chunk < 1:
+        raise ValueError(f"chunk must be a positive integer, got {chunk!r}")
+    shape = y.shape
+    train = torch.is_grad_enabled() and (h.requires_grad or W.requires_grad)
+    groups = shape[0] if gram and len(shape) >= 2 and shape[0] > 0 else 0
+    node = get_gradient_edge(W).node if train and W.requires_grad else None
+    loss, lse, pp = _ChunkedCE.apply(h.reshape(-1, h.shape[-1]), W, y.reshape(-1), int(chunk), train, groups, node)
+    return loss.reshape(shape), lse, pp
 
 
 def chunked_cross_entropy(h: torch.Tensor, W: torch.Tensor, y: torch.Tensor, chunk: int = 8192) -> torch.Tensor:
     """Per-token cross-entropy losses of the logits h W^T against ``y`` (``IGNORE``: no loss), shaped as
-    ``y``; ``h`` is (..., d), W (V, d). No (..., V) tensor is formed: ``chunk`` rows of W at a time."""
-    if chunk < 1:
-        raise ValueError(f"chunk must be a positive integer, got {chunk!r}")
-    shape = y.shape
-    return _ChunkedCE.apply(h.reshape(-1, h.shape[-1]), W, y.reshape(-1), int(chunk)).reshape(shape)
+    ``y``; ``h`` is (..., d), W (V, d). No (..., V) tensor is formed: ``chunk`` rows of W at a time, one
+    pass over the vocabulary in the forward (the log-sum-exp and the input's gradient direction) and
+    one in the backward (the table's gradient, where the pass needs it)."""
+    return _apply(h, W, y, chunk)[0]
 
 
 class HeadUse:
@@ -95,13 +144,16 @@ class HeadUse:
     docstring), from ``h`` (n, T, d), the targets ``y`` (n, T), the per-token loss gradients ``g``
     (n, T) and the table ``W`` (V, d)."""
 
-    def __init__(self, h: torch.Tensor, y: torch.Tensor, g: torch.Tensor, W: torch.Tensor, chunk: int):
+    def __init__(self, h: torch.Tensor, y: torch.Tensor, g: torch.Tensor, W: torch.Tensor, chunk: int,
+                 lse: torch.Tensor | None = None, pp: torch.Tensor | None = None):
         self.keep = y != IGNORE
         self.h, self.W, self.chunk = h, W, int(chunk)
         self.y = torch.where(self.keep, y, torch.zeros_like(y))
         self.g = g.to(h.dtype) * self.keep.to(h.dtype)
         n, T, d = h.shape
-        self.lse = logsumexp(h.reshape(-1, d), W, self.chunk).view(n, T)
+        # the forward pass's own (``_PackedLoss``), or a pass over the vocabulary here
+        self.lse = (lse if lse is not None else logsumexp(h.reshape(-1, d), W, self.chunk)).view(n, T)
+        self._pp = pp  # p_t . p_s (n, T, T), formed in the forward pass, or None (``left_gram``'s pass)
 
     @property
     def rows(self) -> int:
@@ -117,10 +169,12 @@ class HeadUse:
 
     def left_gram(self) -> torch.Tensor:
         """(n, T, T): l_t . l_s."""
-        pp = torch.zeros(self.h.shape[0], self.h.shape[1], self.h.shape[1], dtype=self.h.dtype, device=self.h.device)
-        for start, stop in _chunks(self.rows, self.chunk):
-            p = self._probs(start, stop)
-            pp += p @ p.transpose(1, 2)
+        pp = self._pp
+        if pp is None:
+            pp = torch.zeros(self.h.shape[0], self.h.shape[1], self.h.shape[1], dtype=self.h.dtype, device=self.h.device)
+            for start, stop in _chunks(self.rows, self.chunk):
+                p = self._probs(start, stop)
+                pp += p @ p.transpose(1, 2)
         at = self._p_at(self.y)  # p_t[y_s]
         same = (self.y[:, :, None] == self.y[:, None, :]).to(self.h.dtype)
         return self.g[:, :, None] * self.g[:, None, :] * (pp - at - at.transpose(1, 2) + same)
@@ -179,26 +233,63 @@ class HeadUse:
         return out.index_add_(0, self.y.reshape(-1), -w[:, None] * h)
 
 
+class _Saved(NamedTuple):
+    """One forward call's log-sum-exps and probabilities' Gram, for the engine's reading of that call."""
+    packed: torch.Tensor  # the call's input, detached (held: its memory is not reused while it is kept)
+    version: int  # its version counter then: a later write makes the entry another call's
+    weight_version: int
+    lse: torch.Tensor
+    pp: torch.Tensor
+
+
 class _PackedLoss(nn.Module):
     """The chunked loss on (..., d + 1) inputs, the hidden states with the targets as a last column (the
-    engine hands a registered layer its first input only): the registered function reads both."""
+    engine hands a registered layer its first input only): the registered function reads both.
+
+    Once the engine has read it (``gram``, set by the registered function), each training forward call
+    also forms the per-example probabilities' Gram in its one pass over the vocabulary and keeps it with
+    the log-sum-exps until the engine reads that call (``take``): the engine's per-example norms then
+    cost no pass of their own. A call the engine reads in another layout, or after a write, is read by
+    ``HeadUse``'s own passes (same numbers)."""
+
+    KEEP = 4  # calls kept at most (a forward pass that calls the head more than once; calls never read)
 
     def __init__(self, weight: nn.Parameter, chunk: int):
         super().__init__()
         self.weight, self.chunk = weight, int(chunk)
+        self.gram = False
+        self._saved: list[_Saved] = []
 
     def forward(self, packed: torch.Tensor) -> torch.Tensor:
         h, y = packed[..., :-1], packed[..., -1].round().long()
-        return chunked_cross_entropy(h, self.weight.to(h.dtype), y, self.chunk)
+        loss, lse, pp = _apply(h, self.weight.to(h.dtype), y, self.chunk, gram=self.gram)
+        if pp.numel():
+            self._saved = [*self._saved[-(self.KEEP - 1):], _Saved(packed.detach(), packed._version, self.weight._version,
+                                                                   lse, pp)]
+        return loss
+
+    def take(self, x: torch.Tensor, n: int) -> _Saved | None:
+        """The kept call whose input ``x`` is, element for element, with its examples first as the
+        Gram's groups (n of them), removed from the kept; None if there is none."""
+        for i, s in enumerate(self._saved):
+            if (s.packed.data_ptr() == x.data_ptr() and s.packed.shape == x.shape and s.packed.stride() == x.stride()
+                    and s.packed.dtype == x.dtype and s.packed.device == x.device and s.version == x._version
+                    and s.weight_version == self.weight._version and s.pp.shape[0] == n):
+                return self._saved.pop(i)
+        return None
 
 
 @layers.register(_PackedLoss)
 def _packed_loss(layer: _PackedLoss, x: torch.Tensor, g: torch.Tensor, n: int):
-    """The head's use of the table: ``HeadUse`` (never the (n, T, V) left factor)."""
+    """The head's use of the table: ``HeadUse`` (never the (n, T, V) left factor), with the forward
+    call's log-sum-exps and Gram where it kept them."""
     h, y = x[..., :-1], x[..., -1].round().long()
     d = h.shape[-1]
-    return [(layer.weight, HeadUse(h.reshape(n, -1, d), y.reshape(n, -1), g.reshape(n, -1),
-                                   layer.weight.detach().to(h.dtype), layer.chunk))]
+    saved = layer.take(x, n)
+    layer.gram = True
+    h = h.reshape(n, -1, d)
+    return [(layer.weight, HeadUse(h, y.reshape(n, -1), g.reshape(n, -1), layer.weight.detach().to(h.dtype),
+                                   layer.chunk, lse=saved.lse if saved else None, pp=saved.pp if saved else None))]
 
 
 class ChunkedTiedHead(nn.Module):

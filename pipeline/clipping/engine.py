@@ -636,7 +636,12 @@ class PhantomClipping:
                 p.grad = grad.reshape(p.shape).to(p.dtype)
         for pid in alone:
             p = self.params[pid][1]
-            p.grad = sum(use.weighted_sum(c) for use in uses[pid]).reshape(p.shape).to(p.dtype)
+            grad = None
+            for use in uses[pid]:  # a tied table's uses added into the first's sum (a new tensor: uses.py)
+                part = use.weighted_sum(c)
+                same = grad is not None and part.dtype == grad.dtype and part.shape == grad.shape
+                grad = part if grad is None else grad.add_(part) if same else grad + part
+            p.grad = grad.reshape(p.shape).to(p.dtype)
 
     def add_noise(self, multiplier: float, generator: torch.Generator | None = None) -> None:
         """The Gaussian mechanism on the clipped sum: N(0, (multiplier C)^2) added to every ``p.grad``.

@@ -12,7 +12,11 @@ The per-example squared norm of a parameter used k times is ||sum_u G_i^u||^2 = 
 <G_i^u, G_i^v>: every use with itself and every cross term between two uses (the tied embedding's
 input and output uses: Phantom Clipping). Each inner product is exact, in one of two forms with
 the fewer operations: the Gram form sum_{t,s} (left_t . left'_s)(right_t . right'_s) costs about
-T S (P + Q) per example, materialising both gradients about (T + S) P Q.
+T S (P + Q) per example, materialising both gradients about (T + S) P Q, weighted by ``MATERIALISING``
+(it also writes and reads the n P Q floats it forms, which the count of multiply-adds omits).
+
+A use's ``weighted_sum(c)`` returns a new tensor (the engine adds a tied parameter's other uses' sums
+into it).
 """
 
 from __future__ import annotations
@@ -22,6 +26,12 @@ from dataclasses import dataclass
 import torch
 
 CHUNK_FLOATS = 2**24  # materialised per-example gradients are formed this many floats at a time
+# Materialising's cost per counted multiply-add, relative to the Gram form's: ``benchmarks/clipping_forms.py``
+# times both forms at the project's 36 layer shapes (docs/clipping_forms.json, one CPU thread). Counted alike
+# (weight 1), the rule took the slower form in 5 of them, among them the tied output layer (2.3-2.5x slower:
+# materialising writes and reads each example's V x d gradient). The Gram form wins up to a count 1.33x
+# materialising's, materialising from 1.56x: 1.4 lies between.
+MATERIALISING = 1.4
 
 
 @dataclass
@@ -156,9 +166,10 @@ def _materialised(a: Use, b: Use, n: int, shape: tuple[int, int]) -> torch.Tenso
 
 
 def _form(a: Outer, b: Outer, shape: tuple[int, int], form: str) -> str:
-    """``gram`` or ``direct`` for <G^a, G^b>: as asked, or (``auto``) the one with fewer operations."""
+    """``gram`` or ``direct`` for <G^a, G^b>: as asked, or (``auto``) the one with fewer operations
+    (materialising's weighted by ``MATERIALISING``)."""
     gram_cost = a.tokens * b.tokens * (shape[1] if (a.index or b.index) else shape[0] + shape[1])
-    direct_cost = (a.tokens + (0 if b is a else b.tokens)) * shape[0] * shape[1]
+    direct_cost = (a.tokens + (0 if b is a else b.tokens)) * shape[0] * shape[1] * MATERIALISING
     return form if form != "auto" else ("gram" if gram_cost <= direct_cost else "direct")
 
 
