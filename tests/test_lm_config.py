@@ -50,11 +50,21 @@ def test_the_base_config_is_accepted():
     ("train__accountant", "gdp", "train.accountant 'gdp' is unknown"),
     ("train__lr", -1.0, "train.lr must be positive"),
     ("clipping__C", 0.0, "clipping.C must be positive"),
+    ("model__chunked_head", -1, "model.chunked_head must be 0 (whole logits) or a positive integer"),
+    ("model__chunked_head", True, "model.chunked_head must be 0 (whole logits) or a positive integer"),
+    ("model__chunked_head", "8192", "model.chunked_head must be 0 (whole logits) or a positive integer"),
 ])
 def test_each_bad_value_is_refused_naming_its_key(key, value, message):
     with pytest.raises(ConfigError) as err:
         config.settings(_cfg(**{key: value}))
     assert str(err.value).startswith(message), str(err.value)
+
+
+def test_the_chunked_head_is_read_and_refused_with_opacus():
+    assert config.settings(_cfg()).chunked_head == 0 and config.settings(_cfg(model__chunked_head=4096)).chunked_head == 4096
+    for engine in ("per_sample", "ghost"):
+        with pytest.raises(ConfigError, match=f"model.chunked_head = 4096 with clipping.name = '{engine}'"):
+            config.settings(_cfg(model__chunked_head=4096, model__tied=False, clipping__name=engine))
 
 
 def test_a_missing_group_is_named():

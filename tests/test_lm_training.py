@@ -86,6 +86,51 @@ def test_per_post_norms_through_the_engine_equal_a_float64_brute_force(tied):
         torch.set_default_dtype(torch.float32)
 
 
+@pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
+def test_the_chunked_head_gives_the_whole_logits_losses_norms_sums_and_training(tied):
+    """``model.chunked_head``: the same weights, per-post losses, Phantom's norms and clipped sums (float64),
+    state dict and evaluation as whole logits, and a short DP-SGD run to float tolerance; Opacus refused."""
+    from pipeline.lm import engines
+
+    torch.set_default_dtype(torch.float64)
+    try:
+        rows, mask = examples.training_rows([[1, 2, 3, 4, 5, 6, 7, 8, 9], [3, 4, EOS], [9, 9, 9, 9, EOS]], L=7, eos_id=EOS)
+        whole = _tiny(tied)
+        torch.manual_seed(0)
+        chunked = models.build(vocab_size=40, max_len=8, d=16, layers=2, heads=2, tied=tied, dropout=0.0, eos_id=EOS,
+                               chunked_head=7)
+        assert isinstance(chunked, models.ChunkedHeadGPT2) and models.parameters(chunked) == models.parameters(whole)
+        assert list(chunked.state_dict()) == list(whole.state_dict())
+        assert all(torch.equal(a, b) for a, b in zip(chunked.state_dict().values(), whole.state_dict().values()))
+        torch.testing.assert_close(examples.example_losses(chunked, (rows, mask)),
+                                   examples.example_losses(whole, (rows, mask)), rtol=1e-12, atol=1e-12)
+        found = {}
+        for name, model in (("whole", whole), ("chunked", chunked)):
+            _, norms = engines.make("phantom", model, 0.5).step((rows, mask))
+            found[name] = (norms, [p.grad.clone() for p in model.parameters()])
+        torch.testing.assert_close(found["chunked"][0], found["whole"][0], rtol=1e-10, atol=1e-12)
+        for a, b in zip(found["chunked"][1], found["whole"][1]):
+            torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-12)
+        assert examples.evaluate(chunked, rows, mask) == examples.evaluate(whole, rows, mask)
+        for name in ("per_sample", "ghost"):
+            assert "model.chunked_head" in engines.refusal(name, chunked)
+    finally:
+        torch.set_default_dtype(torch.float32)
+    corpus = _corpus()
+    pl = train.plan(n_posts=corpus[0].shape[0], batch_size=16, epochs=2, eps=8.0, delta=1e-5, private=True,
+                    vocab_share=0.0)
+    kw = dict(engine="phantom", C=1.0, lr=3e-2, warmup=0.1, weight_decay=0.0, seed=0)
+    a = _tiny(tied)
+    ha = train.run(a, *corpus, pl, **kw)
+    torch.manual_seed(0)
+    b = models.build(vocab_size=40, max_len=8, d=16, layers=2, heads=2, tied=tied, dropout=0.0, eos_id=EOS,
+                     chunked_head=16)
+    hb = train.run(b, *corpus, pl, **kw)
+    assert ha.loss == pytest.approx(hb.loss, rel=1e-4)
+    for x, y in zip(a.state_dict().values(), b.state_dict().values()):
+        torch.testing.assert_close(x, y, rtol=1e-3, atol=1e-5)
+
+
 def test_evaluation_is_token_weighted_over_every_window():
     model = _tiny(True)
     rows, mask = examples.windows(POSTS, L=6, eos_id=EOS)

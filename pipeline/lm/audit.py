@@ -186,7 +186,7 @@ def from_config(cfg):
     def build():
         torch.manual_seed(streams.seed_of(s.seed, "init"))
         return models.build(vocab_size=prep.V, max_len=s.L, d=s.d, layers=s.layers, heads=s.heads, tied=s.tied,
-                            dropout=s.dropout, eos_id=prep.eos_id)
+                            dropout=s.dropout, eos_id=prep.eos_id, chunked_head=s.chunked_head)
 
     coordinates = sum(p.numel() for p in build().parameters() if p.requires_grad)
     eps, delta = config.dpsgd_budget(s)  # what the vocabulary leaves of the run's budget

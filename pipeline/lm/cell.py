@@ -100,7 +100,7 @@ def run(cfg: DictConfig, s: config.Settings) -> Path:
         tracking.log_metrics("data", {"seconds": data_seconds})
         torch.manual_seed(streams.seed_of(s.seed, "init"))
         model = models.build(vocab_size=prep.V, max_len=s.L, d=s.d, layers=s.layers, heads=s.heads, tied=s.tied,
-                             dropout=s.dropout, eos_id=prep.eos_id)
+                             dropout=s.dropout, eos_id=prep.eos_id, chunked_head=s.chunked_head)
         start_from = pretrained.path_of(s) if s.init is not None else None
         if start_from is not None:  # matched to these settings by the validation
             pretrained.load_into(model, pretrained.read(start_from))

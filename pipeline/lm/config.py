@@ -83,6 +83,7 @@ class Settings:
     save: str | None = None  # the folder a pretraining writes its model into
     vocab_eps: float = 0.0  # private_groups: the selection's own (eps, delta), spent once and taken off DP-SGD's
     vocab_delta: float = 0.0
+    chunked_head: int = 0  # > 0: the training loss reads the output layer this many vocabulary rows at a time
 
 
 EXAMPLES = ("post", "post_window", "windows")
@@ -167,6 +168,14 @@ def settings(cfg: DictConfig) -> Settings:
         raise ConfigError(f"model.tied must be true or false, got {m.tied!r}")
     dropout = _unit(m.dropout, "model.dropout")
     engine = _choice(cl.name, "clipping.name", engines.ENGINES)
+    chunked_head = m.get("chunked_head", 0)
+    if isinstance(chunked_head, bool) or not isinstance(chunked_head, int) or not 0 <= chunked_head <= validation.MAX_INT:
+        raise ConfigError(f"model.chunked_head must be 0 (whole logits) or a positive integer (vocabulary rows at a "
+                          f"time), got {chunked_head!r}")
+    if chunked_head and engine in ("per_sample", "ghost"):
+        raise ConfigError(f"model.chunked_head = {chunked_head} with clipping.name = {engine!r}: the chunked output "
+                          "layer is read by the shared engine only (Opacus forms the logits' per-post gradients); use "
+                          "clipping=phantom, or model.chunked_head=0")
     if engine == "ghost" and m.tied:
         raise ConfigError("clipping.name = 'ghost' cannot clip a tied model (model.tied = true): Opacus's ghost "
                           "clipping refuses a parameter used twice; use clipping=phantom, or model.tied=false")
@@ -220,7 +229,7 @@ def settings(cfg: DictConfig) -> Settings:
     return Settings(ds.archive, valid_fraction, posts, eval_posts, L, kind, size, share, max_pieces, d, layers, heads,
                     m.tied, dropout, engine, C, batch_size, epochs, lr, warmup, weight_decay, accountant, chunk, eval_batch,
                     validate_every, threads, checkpoint, eps, delta, validation.seed(cfg.seed), public_groups, part,
-                    examples, init, save, vocab_eps, vocab_delta)
+                    examples, init, save, vocab_eps, vocab_delta, chunked_head)
 
 
 def _path(value, key: str) -> str | None:

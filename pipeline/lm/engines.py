@@ -24,6 +24,9 @@ def refusal(name: str, model) -> str | None:
 
     if name not in ENGINES:
         return f"clipping {name!r} is unknown; known: {list(ENGINES)}"
+    if name in ("per_sample", "ghost") and hasattr(model, "token_losses"):
+        return (f"clipping={name} cannot clip a model whose output layer is read in chunks (model.chunked_head): "
+                "Opacus forms the logits' per-post gradients; use clipping=phantom, or model.chunked_head=0")
     if name == "ghost" and shared_parameters(model):
         return ("clipping=ghost cannot clip a tied model: Opacus's ghost clipping refuses a parameter used "
                 "twice (the tied table); use clipping=phantom, or an untied model")

@@ -110,21 +110,30 @@ def _wide(logits: torch.Tensor) -> torch.Tensor:
     return logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits
 
 
+def _inputs(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The (n, L) inputs of (n, L + 1) rows and their positions, each contiguous."""
+    n, T = rows.shape
+    return rows[:, :-1].contiguous(), torch.arange(T - 1, device=rows.device).repeat(n, 1)
+
+
 def _logits_and_losses(model, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(n, L, V) logits and (n, L) next-token cross-entropies of (n, L + 1) rows. Positions are
     given per row, (n, L): Opacus's engines need every layer's input batch first (Hugging Face
     defaults to one (1, L) row broadcast, which Phantom expands itself); inputs and positions
     contiguous (Opacus views the ids)."""
+    inputs, positions = _inputs(rows)
     n, T = rows.shape
-    inputs = rows[:, :-1].contiguous()
-    positions = torch.arange(T - 1, device=rows.device).repeat(n, 1)
     logits = _wide(model(input_ids=inputs, position_ids=positions).logits)
     flat = F.cross_entropy(logits.reshape(n * (T - 1), -1), rows[:, 1:].reshape(-1), reduction="none")
     return logits, flat.view(n, T - 1)  # (n L, V) rows: twice as fast on a CPU as the (n, V, L) transposed view
 
 
 def token_losses(model, rows: torch.Tensor) -> torch.Tensor:
-    """(n, L) next-token cross-entropies of (n, L + 1) rows."""
+    """(n, L) next-token cross-entropies of (n, L + 1) rows (a ``models.ChunkedHeadGPT2``: over the
+    vocabulary in chunks, no (n, L, V) logits)."""
+    token_losses_of = getattr(model, "token_losses", None)
+    if token_losses_of is not None:
+        return token_losses_of(*_inputs(rows), rows[:, 1:])
     return _logits_and_losses(model, rows)[1]
 
 

@@ -4,7 +4,8 @@
 - the model, its gradient and Adam's two moments: 4 x P floats (P: distinct parameters, a tied table once);
 - the output layer's logits and their gradient for a Poisson batch (B + 3 sqrt(B) posts, the
   batch's mean plus three of its standard deviations): 2 x B L V floats; Phantom keeps the output
-  gradient for its book-keeping sum (one more B L V) and Opacus's hooks keep the same;
+  gradient for its book-keeping sum (one more B L V) and Opacus's hooks keep the same; with
+  ``model.chunked_head`` = k, a chunk's, 3 x B L min(k, V) floats, in place of them;
 - each block's activations kept for the backward: about 16 B L d floats per block (attention's
   (B, heads, L, L) scores added);
 - evaluation: one ``train.eval_batch`` of windows' logits, eval_batch L V floats;
@@ -40,7 +41,8 @@ def estimate(cfg: DictConfig, device: str) -> Memory:
     P = parameters(V, L, d, s.layers, s.tied)
     B = math.ceil(s.batch_size + 3 * math.sqrt(s.batch_size))
     parts = {"parameters, gradients and Adam's moments": 4 * P * FLOAT,
-             "logits and their gradient": (2 + (s.engine in ("phantom", "per_sample"))) * B * L * V * FLOAT,
+             "logits and their gradient": (2 + (s.engine in ("phantom", "per_sample"))) * B * L * V * FLOAT
+                                          if not s.chunked_head else 3 * B * L * min(s.chunked_head, V) * FLOAT,
              "activations": s.layers * (16 * B * L * d + 2 * B * s.heads * L * L) * FLOAT,
              "evaluation logits": s.eval_batch * L * V * FLOAT}
     if s.engine == "per_sample":
