@@ -394,6 +394,20 @@ def test_docs_lm_quotes_the_forms_benchmark_at_the_output_layer():
     wrong = sum(r["auto"] != r["faster"] for r in rows)
     assert f"the rule took the slower form in {wrong} of {len(rows)} rows" in page
     assert all(r["threads"] == 1 and r["max_rel_diff"] < 1e-4 for r in rows)
+    # the engine's rule now (uses._form, materialising weighted), on the same run's times
+    import torch
+
+    from pipeline.clipping import uses
+
+    def rule(r):
+        a = uses.Outer(left=torch.zeros(1, r["T"], r["P"]), right=torch.zeros(1, r["T"], r["Q"]), rows=r["P"])
+        b = a if r["kind"] == "self" else uses.Outer(left=a.left.clone(), right=a.right.clone(), rows=r["P"])
+        return uses._form(a, b, (r["P"], r["Q"]), "auto")
+
+    now = [r for r in rows if rule(r) != r["faster"]]
+    assert f"weighted by {uses.MATERIALISING:g} (`uses.MATERIALISING`" in page
+    assert f"the weighted rule takes the slower form in {len(now)} of {len(rows)} rows" in page
+    assert len(now) == 1 and f"GPT-2's {now[0]['P']} x {now[0]['Q']} layer with itself" in page
 
 
 def test_the_propagated_forms_tails_at_large_errors_are_quoted_from_the_json():
