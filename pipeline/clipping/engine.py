@@ -48,6 +48,7 @@ layer functions (a wrong registration is named as such), with a tolerance from t
 from __future__ import annotations
 
 import random
+import sys
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -64,7 +65,7 @@ from pipeline.clipping.guard import Unsupported
 from pipeline.clipping.layers import lookup
 from pipeline.clipping.provenance import (Layout, Mixed, Positions, Provenance, Refusal, Retry, Rows, Shared,
                                           batch_tensors)
-from pipeline.clipping.uses import Stack, Use, inner, merged, stack_key
+from pipeline.clipping.uses import Outer, Stack, Use, inner, merged, stack_key
 
 RULES = ("classic", "automatic")
 CHECKS = ("guard", "brute")
@@ -128,10 +129,20 @@ def _name_of(hook) -> str:
         or type(hook).__qualname__
 
 
+def _fsdp_pre_backward(hook) -> bool:
+    """Whether ``hook`` is FSDP2's pre-backward hook (``fully_shard``): it gathers the module's parameters
+    before its backward and returns the gradient unchanged."""
+    state = sys.modules.get("torch.distributed.fsdp._fully_shard._fsdp_state")  # never imported: no FSDP2 here
+    return state is not None and getattr(hook, "__func__", None) is getattr(state.FSDPState, "_pre_backward", None)
+
+
 def _refuse_gradient_hook(tensor: torch.Tensor, hook: Callable):
     """``Tensor.register_hook`` while the engine runs a forward pass: a hook on an intermediate gradient can
     rewrite what the engine reads (a division by the batch's gradient norm mixes the examples), and the
-    autograd graph does not show it to the guard: refused where it is registered."""
+    autograd graph does not show it to the guard: refused where it is registered. FSDP2's pre-backward hook
+    (an identity on the gradient) is let through."""
+    if _fsdp_pre_backward(hook):
+        return _REGISTER_HOOK(tensor, hook)
     raise Unsupported(f"a gradient hook ({_name_of(hook)}) was registered on a tensor during the forward pass "
                       "(tensor.register_hook): it can rewrite the gradients the engine reads, mixing the examples or "
                       "scaling one of them, and no per-example bound then holds; remove it while training with the "
@@ -177,6 +188,25 @@ def _front(t: torch.Tensor, layout, n: int) -> torch.Tensor:
     if (b, outer) == (0, 1):
         return t.reshape(n, inner, *t.shape[1:]) if inner != 1 else t
     return t.reshape(*t.shape[:b], outer, n, inner, *t.shape[b + 1:]).movedim(b + 1, 0)
+
+
+def _fsdp_modules(model: nn.Module) -> list:
+    """The modules of ``model`` sharded by FSDP2 (``torch.distributed.fsdp.fully_shard``)."""
+    fsdp = sys.modules.get("torch.distributed.fsdp")  # not imported: no module can be sharded (and none is loaded)
+    kind = getattr(fsdp, "FSDPModule", None)
+    return [] if kind is None else [m for m in model.modules() if isinstance(m, kind)]
+
+
+def _fsdp_unsharded(modules: list) -> dict[int, nn.Parameter]:
+    """Each FSDP2-sharded parameter's id -> the unsharded parameter its module holds from its forward to its
+    backward (one object for the module's life, made by its first all-gather)."""
+    found = {}
+    for m in modules:
+        for group in m._get_fsdp_state()._fsdp_param_groups:
+            for fp in group.fsdp_params:
+                if hasattr(fp, "_unsharded_param"):
+                    found[id(fp.sharded_param)] = fp._unsharded_param
+    return found
 
 
 class _ByAutograd:
@@ -272,6 +302,14 @@ class PhantomClipping:
                 # first of the layer's forward hooks: what a user's hook does to the output is outside the call
                 self._first[module] = module.register_forward_hook(self._record, with_kwargs=True, prepend=True).id
         self._registered = [m for m, how in self._how.items() if callable(how)]  # read by a registered function
+        # FSDP2 (fully_shard): the modules hold sharded parameters at rest and unsharded ones (other objects) from
+        # their forward to their backward; a step keys every table by the unsharded ones (``_bind``)
+        self._fsdp = _fsdp_modules(model)
+        if self._fsdp and sum_by != "backward":
+            raise Unsupported("a model sharded by FSDP2 (fully_shard) needs sum_by='backward': the clipped sum then "
+                              "flows through FSDP's own backward and reduce-scatter into the sharded gradients")
+        self._rest: tuple | None = None  # the tables keyed by the parameters at rest, while a step is bound
+        self._alias: dict[int, int] = {}  # while bound: a sharded or unsharded parameter's id -> the table's key
         self._statistics = [m for m in self._names if isinstance(m, BATCH_STATISTICS)]
 
     def _subclass_hint(self, module: nn.Module) -> str:
@@ -472,6 +510,26 @@ class PhantomClipping:
 
     # --- the two passes -----------------------------------------------------------------------
 
+    def _bind(self) -> None:
+        """FSDP2: key the step's tables (parameters, layers, holders) by the unsharded parameters the forward
+        pass used (the autograd graph's leaves), each sharded one's by its name; ``_unbind`` puts the tables
+        at rest back. Without FSDP, nothing."""
+        if not self._fsdp:
+            return
+        unsharded = _fsdp_unsharded(self._fsdp)
+        self._rest = (self.params, self.layers, self._holders, self._hints)
+        now = {pid: unsharded.get(pid, p) for pid, (_, p) in self.params.items()}
+        self._alias = {**{pid: id(q) for pid, q in now.items()}, **{id(q): id(q) for q in now.values()}}
+        self.params = {id(now[pid]): (name, now[pid]) for pid, (name, _) in self._rest[0].items()}
+        self.layers = {m: [now[id(p)] for p in ps] for m, ps in self._rest[1].items()}
+        self._holders = {id(now[pid]): held for pid, held in self._rest[2].items()}
+        self._hints = {id(now[pid]): hint for pid, hint in self._rest[3].items() if pid in now}
+
+    def _unbind(self) -> None:
+        if self._rest is not None:
+            self.params, self.layers, self._holders, self._hints = self._rest
+            self._rest, self._alias = None, {}
+
     def _uses(self, losses: torch.Tensor, keep_graph: bool) -> dict[int, list[Use]]:
         """Every recorded call's uses, by parameter id, from one gradient pass to the layers' outputs,
         once the guard has proved that no other use exists."""
@@ -487,6 +545,10 @@ class PhantomClipping:
                                   "(x.mul_(...)): the engine would read other values than the layer used; make that "
                                   "operation out of place")
         n = losses.shape[0]
+        self._bind()
+        if self._alias:
+            for call in calls:
+                call.proof.own = frozenset(self._alias.get(pid, pid) for pid in call.proof.own)
         self._adopt(calls)
         guard.prove(_pair(get_gradient_edge(losses)), [c.proof for c in calls], self.params, self._holders, self._hints)
         _examples_apart(self._losses_label)
@@ -504,10 +566,11 @@ class PhantomClipping:
                 found = call.fn(call.module, x, g, n, None if call.shared is not None else g_layout)
             else:
                 found = call.fn(call.module, _front(x, x_layout, n), _front(g, g_layout, n), n)
-            given.setdefault(call.module, set()).update(id(p) for p, _ in found if p is not None)
-            for p, use in found:
-                if p is not None and id(p) in self.params:
-                    uses.setdefault(id(p), []).append(use)
+            found = [(None if p is None else self._alias.get(id(p), id(p)), use) for p, use in found]
+            given.setdefault(call.module, set()).update(pid for pid, _ in found if pid is not None)
+            for pid, use in found:
+                if pid is not None and pid in self.params:
+                    uses.setdefault(pid, []).append(use)
         for module, got in given.items():
             missing = {id(p) for p in self.layers[module]} - got
             if missing:  # a layer function that leaves out a parameter would count it as zero
@@ -590,12 +653,30 @@ class PhantomClipping:
         """(losses, norms): each (n,), the norms of the whole model's per-example gradients; no
         parameter gradient is formed or changed."""
         losses = self._forward(loss_fn, batch)
-        uses = self._uses(losses, keep_graph=False)
-        return losses.detach(), self._total(self._sq_norms(uses, losses.shape[0]), losses)
+        try:
+            uses = self._uses(losses, keep_graph=False)
+            return losses.detach(), self._total(self._sq_norms(uses, losses.shape[0]), losses)
+        finally:
+            self._unbind()
 
     def step(self, loss_fn: Callable[[nn.Module, Any], torch.Tensor], batch: Any):
         """(losses, norms), and every trainable parameter's ``.grad`` set to the clipped sum
-        sum_i c_i g_i (replacing what was there)."""
+        sum_i c_i g_i (replacing what was there). A model sharded by FSDP2: the sum flows through FSDP's
+        backward (``sum_by="backward"``), whose reduce-scatter adds it into the sharded ``p.grad``: the sum
+        over the ranks' examples, with the modules' gradient divide factor 1."""
+        if self._fsdp:  # FSDP adds into a sharded gradient already there
+            for _, p in self.params.values():
+                p.grad = None
+        try:
+            losses, norms = self._step(loss_fn, batch)
+        finally:
+            self._unbind()
+        for _, p in self.params.values():  # a parameter the batch did not reach: a zero gradient
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        return losses, norms
+
+    def _step(self, loss_fn, batch):
         brute = self.check == "brute"
         rng = self._rng_states() if brute else None  # the brute force's forward pass draws the same dropout
         losses = self._forward(loss_fn, batch)
@@ -621,9 +702,6 @@ class PhantomClipping:
                 for _, p in self.params.values():  # no unchecked sum is left behind (a refusal, an error, Ctrl-C)
                     p.grad = None
                 raise
-        for _, p in self.params.values():  # a parameter the batch did not reach: a zero gradient
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
         return losses.detach(), norms
 
     def _bookkeeping(self, uses: dict[int, list[Use]], c: torch.Tensor, stacks) -> None:
@@ -637,7 +715,12 @@ class PhantomClipping:
         for pid in alone:
             p = self.params[pid][1]
             grad = None
-            for use in uses[pid]:  # a tied table's uses added into the first's sum (a new tensor: uses.py)
+            # a tied table's uses added into the first's sum (a new tensor: uses.py), lookups last and in place
+            for use in sorted(uses[pid], key=lambda u: isinstance(u, Outer) and u.index):
+                if (grad is not None and isinstance(use, Outer) and use.index and grad.dtype == use.right.dtype
+                        and tuple(grad.shape) == (use.rows, use.right.shape[-1])):
+                    use.add_weighted_sum(c, grad)
+                    continue
                 part = use.weighted_sum(c)
                 same = grad is not None and part.dtype == grad.dtype and part.shape == grad.shape
                 grad = part if grad is None else grad.add_(part) if same else grad + part

@@ -32,6 +32,8 @@ def register(layer: type | str):
 
 def lookup(module: nn.Module) -> Callable | None:
     kind = type(module)
+    if len(kind.__bases__) == 2 and kind.__bases__[0].__name__ == "FSDPModule":  # FSDP2's FSDP<Layer>: the layer's
+        kind = kind.__bases__[1]  # own type (fully_shard changes the instance's class, adding no forward)
     return LAYERS.get(kind) or LAYERS.get(f"{kind.__module__}.{kind.__qualname__}")
 
 

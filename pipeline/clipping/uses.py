@@ -90,6 +90,12 @@ class Outer:
             left = c.view(-1, 1, 1) * left
         return self._place(left.reshape(-1, left.shape[-1]).transpose(0, 1) @ right.reshape(-1, right.shape[-1]))
 
+    def add_weighted_sum(self, c: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """``out`` += sum_i c_i G_i, in place, for a lookup (``index=True``): its rows added where they fall,
+        no (P, Q) tensor of its own (a tied table's other use made ``out``)."""
+        right = (c.to(self.right.dtype).view(-1, 1, 1) * self.right).reshape(-1, self.right.shape[-1])
+        return out.index_add_(0, self.left.reshape(-1), right.to(out.dtype))
+
 
 @dataclass
 class Direct:

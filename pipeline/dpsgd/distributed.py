@@ -42,6 +42,7 @@ class _Share:
     size: int
     rank: int
     world: int
+    spare: Any = None  # FSDP2: the micro-batch's first example, stepped on with a zero loss where batch is None
 
 
 class _Reduced:
@@ -49,8 +50,8 @@ class _Reduced:
     the whole micro-batch's clipped sum in ``p.grad`` and returns its losses and norms in the micro-batch's
     order, as one process's engine does."""
 
-    def __init__(self, engine, params: list[torch.nn.Parameter], group):
-        self.engine, self.params, self.group = engine, params, group
+    def __init__(self, engine, params: list[torch.nn.Parameter], group, sharded: bool = False):
+        self.engine, self.params, self.group, self.sharded = engine, params, group, sharded
         self.private = getattr(engine, "private", True)
 
     def step(self, loss_fn, share: _Share):
@@ -60,6 +61,20 @@ class _Reduced:
             dtype = torch.promote_types(dtype, p.dtype)
         losses = torch.zeros(share.size, device=device, dtype=dtype)
         norms = torch.zeros(share.size, device=device, dtype=dtype)
+        if self.sharded:
+            # FSDP2: every rank runs the step (its all-gathers and reduce-scatters are collectives); the
+            # reduce-scatter leaves in each rank's shard of p.grad the sum over the ranks' clipped sums. A rank
+            # with no example of the micro-batch steps on one example with its loss times zero: it adds zeros
+            if share.batch is not None:
+                mine_losses, mine_norms = self.engine.step(loss_fn, share.batch)
+                losses[share.rank::share.world] = mine_losses.detach().to(losses.dtype)
+                if mine_norms is not None:
+                    norms[share.rank::share.world] = mine_norms.to(norms.dtype)
+            else:
+                self.engine.step(lambda model, batch: loss_fn(model, batch) * 0, share.spare)
+            flat = torch.cat([losses, norms])
+            dist.all_reduce(flat, group=self.group)
+            return flat[:share.size].clone(), (flat[share.size:].clone() if self.private else None)
         if share.batch is not None:
             mine_losses, mine_norms = self.engine.step(loss_fn, share.batch)
             losses[share.rank::share.world] = mine_losses.detach().to(losses.dtype)
@@ -111,6 +126,17 @@ class DistributedDPSGD(DPSGD):
             raise ValueError(f"the model's parameters are on several devices ({sorted(map(str, devices))}): "
                              "DistributedDPSGD replicates one model per rank on one device")
         device = devices.pop() if devices else torch.device("cpu")
+        from pipeline.clipping.engine import _fsdp_modules
+
+        sharded = _fsdp_modules(model)  # FSDP2 (fully_shard): the clipped sums reach the shards by its reduce-scatter
+        if sharded:
+            for m in sharded:  # its reduce-scatter then sums the ranks' clipped sums (FSDP's default averages them)
+                m.set_gradient_divide_factor(1.0)
+                m.set_force_sum_reduction_for_comms(True)  # gloo has no PREMUL_SUM
+            if kwargs.get("engine", "phantom") == "phantom":
+                from pipeline.clipping import PhantomClipping
+
+                kwargs["engine"] = PhantomClipping(model, kwargs.get("C", 1.0), sum_by="backward")
         if device.type == "cuda":
             torch.cuda.set_device(device)  # NCCL's object collectives run on the current device
         self.group = group
@@ -138,27 +164,46 @@ class DistributedDPSGD(DPSGD):
                              f"and hold the same data: one Poisson sample is drawn over all of it): "
                              f"{[f[differ[0]] for f in found] if differ[0] != 'data' else 'data digests differ'}")
         source = dist.get_global_rank(group, 0) if group is not None else 0
+        from torch.distributed.tensor import DTensor
+
         for t in list(model.parameters()) + list(model.buffers()):  # one replica: rank 0's initial weights
-            dist.broadcast(t.data, src=source, group=group)
+            if not isinstance(t, DTensor):  # a sharded parameter is held once, in its shards
+                dist.broadcast(t.data, src=source, group=group)
         trainer = self.trainer
         take, rank, world = trainer.take, self.rank, self.world
 
         def share(indices: torch.Tensor) -> _Share:
             mine = indices[rank::world]
-            return _Share(take(mine) if len(mine) else None, len(indices), rank, world)
+            spare = take(indices[:1]) if sharded and not len(mine) else None
+            return _Share(take(mine) if len(mine) else None, len(indices), rank, world, spare)
 
         trainer.take = share
-        trainer.engine = _Reduced(trainer.engine, trainer.params, group)
+        trainer.engine = _Reduced(trainer.engine, trainer.params, group, bool(sharded))
+        self.sharded = bool(sharded)
 
     def fit(self, on_epoch=None, *, log_every: float | None = 10.0):
         """``DPSGD.fit`` on every rank; progress printed by rank 0 only."""
         return super().fit(on_epoch, log_every=log_every if self.rank == 0 else None)
 
+    def _refuse_sharded(self, what: str) -> None:
+        if self.sharded:
+            raise NotImplementedError(f"DistributedDPSGD.{what}: checkpoints of a model sharded by FSDP2 (fully_shard) "
+                                      "are not supported (each rank holds its shards of the weights and of Adam's "
+                                      "state; this checkpoint would keep rank 0's alone); save the replicated model, "
+                                      "or gather the state with torch.distributed.checkpoint")
+
+    def load(self, path, *args, **kwargs):
+        """``DPSGD.load`` on every rank (refused for a model sharded by FSDP2, as ``save`` is)."""
+        self._refuse_sharded("load")
+        return super().load(path, *args, **kwargs)
+
     def save(self, path) -> None:
         """Call on every rank: rank 0 writes the checkpoint (the model, the sampling and noise streams and the
         accountant are the same on every rank; the global generator saved, which draws dropout, is rank
         0's); every rank then learns whether the write succeeded (a failure raises on all of them). On
-        several machines the path must be on a file system they share."""
+        several machines the path must be on a file system they share. A model sharded by FSDP2: refused
+        (its weights are held in shards, which this checkpoint does not gather)."""
+        self._refuse_sharded("save")
         error = None
         if self.rank == 0:
             try:

@@ -31,6 +31,10 @@ def add_noise(params: list[torch.nn.Parameter], sigma: float, C: float, generato
             raise RuntimeError("add_noise needs the clipped sum in every p.grad: call the engine's step first")
         noise = torch.randn(p.grad.shape, generator=generator, dtype=p.grad.dtype,
                             device=p.grad.device if generator is None else generator.device).to(p.grad.device)
+        if hasattr(p.grad, "device_mesh"):  # a sharded (FSDP2) gradient: its shard of the whole draw, every rank's the same
+            from torch.distributed.tensor import distribute_tensor
+
+            noise = distribute_tensor(noise, p.grad.device_mesh, p.grad.placements, src_data_rank=None)
         p.grad.add_(noise, alpha=scale)
 
 

@@ -75,6 +75,7 @@ def finite(loss: torch.Tensor, params: list[torch.nn.Parameter]) -> torch.Tensor
     """Whether the step's loss, and every gradient DP-SGD left in ``p.grad``, are finite: a (2,) bool
     tensor on the device, read on the host only when asked."""
     grads = [torch.isfinite(p.grad).all() for p in params if p.grad is not None]
+    grads = [g.full_tensor() if hasattr(g, "full_tensor") else g for g in grads]  # a sharded gradient: every shard's
     return torch.stack([torch.isfinite(loss), torch.stack(grads).all() if grads else torch.isfinite(loss)])
 
 
