@@ -26,6 +26,13 @@ def tied_model() -> nn.Module:
     return Tied().double()
 
 
+def untied_model() -> nn.Module:
+    """The same model with its own output table (drawn from the torch seed after the tied one's weights)."""
+    model = Tied().double()
+    model.out.weight = nn.Parameter(torch.randn(V, 8, dtype=torch.double) * 0.3)
+    return model
+
+
 def data() -> torch.Tensor:
     return torch.randint(0, V, (N, T + 1), generator=torch.Generator().manual_seed(3))
 
@@ -49,4 +56,4 @@ def gpt2_loss(model, batch):
     return F.cross_entropy(logits.transpose(1, 2), batch[:, 1:], reduction="none").sum(1)
 
 
-MODELS = {"tied": (tied_model, loss_fn), "gpt2": (gpt2_model, gpt2_loss)}
+MODELS = {"tied": (tied_model, loss_fn), "untied": (untied_model, loss_fn), "gpt2": (gpt2_model, gpt2_loss)}

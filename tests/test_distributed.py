@@ -70,6 +70,24 @@ def test_ranks_give_one_processs_parameters_and_one_process_resumes_them(tmp_pat
     assert again.eps_spent() == dp.eps_spent()
 
 
+@pytest.mark.parametrize("model, most", [("tied", None), ("untied", 3)])
+def test_fsdp2_sharded_ranks_give_one_processs_parameters(tmp_path, model, most):
+    """FSDP2 (``fully_shard`` on the linear layer, the LayerNorm and the whole model; the tied table one
+    parameter in the root's shards): two ranks give one process's parameters after an epoch of 4
+    Poisson steps, to float64 rounding: the engine keys the step by the unsharded parameters, the
+    clipped sums reach the shards by FSDP's reduce-scatter as sums (divide factor 1), the noise is each
+    shard's part of one draw; in micro-batches of 3 a rank sometimes has no example (it steps with a
+    zero loss so that FSDP's collectives meet). A sharded model's checkpoint is refused (in the worker)."""
+    got = _ranks(2, tmp_path, most, model, "fsdp")
+    dp = _one_process(most, model)
+    dp.epoch()
+    want = {k: v.detach() for k, v in dp.model.named_parameters()}
+    assert set(got) == set(want) and dp.steps_done == 4
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], rtol=1e-10, atol=1e-12)
+    assert max((want[k] - v).abs().max() for k, v in _one_process(most, model).model.named_parameters()) > 1e-3
+
+
 def test_ranks_whose_arguments_differ_are_all_refused_and_none_waits(tmp_path):
     """A clipping norm that differs by rank (each rank's noise calibrated to its own C, the sensitivity the
     largest): every rank stops with the reason, none hangs in a collective."""
