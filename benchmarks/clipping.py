@@ -18,7 +18,9 @@ tensor), their ratios also to the chunked non-private step (``chunked_*_ratio``)
 over ``--repeats`` steps after one warm-up step (median); peak memory is the GPU's peak allocated
 memory on CUDA, and on the CPU the step's growth of the resident set over the process's size before
 it (``ru_maxrss``: cells are run in a fresh process each, so one engine's peak does not hide the
-next's). Printed: a table with each engine's ratios to non-private; ``--json``: every row.
+next's); on the CPU also the step's peak of live tensors (``tensor_peak``, from the profiler's
+allocation records: unmoved by other work on the machine, which the resident set is not). Printed:
+a table with each engine's ratios to non-private; ``--json``: every row.
 """
 
 from __future__ import annotations
@@ -85,6 +87,25 @@ def build(V: int, d: int, layers: int, T: int, tied: bool, chunk: int | None = N
             return self.head(self.ln_f(h))
 
     return GPT()
+
+
+def tensor_peak(step, model) -> float:
+    """GiB: one step's peak of live tensor memory above its start, every gradient set to None first (so
+    each engine's step starts from the weights alone), from torch.profiler's allocation records in order
+    (each operator's own allocations net of its own frees, and frees outside any operator). Unlike the
+    resident set, it is the same beside other work: the CPU allocator's caching and other processes do
+    not enter it (an operator's transient peak inside itself does not either)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    for p in model.parameters():
+        p.grad = None
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        step()
+    level = top = 0
+    for event in sorted(prof.events(), key=lambda e: e.time_range.start):
+        level += event.self_cpu_memory_usage
+        top = max(top, level)
+    return top / 2**30
 
 
 def cell(engine: str, V: int, B: int, d: int, layers: int, T: int, repeats: int, device: str,
@@ -163,6 +184,8 @@ def cell(engine: str, V: int, B: int, d: int, layers: int, T: int, repeats: int,
     seconds, peak = measure(step, dev, repeats)
     row = {"engine": engine + ("-chunked" if chunked else ""), "V": V, "B": B, "d": d, "layers": layers, "T": T, "seconds": seconds,
            "peak_gib": peak, "device": device, "threads": torch.get_num_threads()}
+    if dev.type == "cpu":
+        row["tensor_peak_gib"] = tensor_peak(step, model)
     if proofs:  # the median guard over the measured steps (the first, a warm-up, left out), as a share of a step
         row.update(guard_seconds=statistics.median(proofs[1:] or proofs))
         row.update(guard_share=row["guard_seconds"] / seconds)
@@ -188,7 +211,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
         print(json.dumps(cell(args.cell[0], V, B, args.d, args.layers, args.T, args.repeats, args.device, args.chunk)))
         return []
     rows = []
-    print(f"{'V':>7} {'B':>3} {'engine':<17} {'s/step':>8} {'x time':>7} {'peak GiB':>9} {'x memory':>9} {'guard':>7}")
+    print(f"{'V':>7} {'B':>3} {'engine':<17} {'s/step':>8} {'x time':>7} {'peak GiB':>9} {'x memory':>9} {'guard':>7}"
+          f" {'tensors GiB':>11} {'x tensors':>9}")
     for V in args.V:
         for B in args.B:
             base = chunk_base = None
@@ -209,14 +233,20 @@ def main(argv: list[str] | None = None) -> list[dict]:
                     row.update(chunked_time_ratio=row["seconds"] / chunk_base["seconds"],
                                chunked_memory_ratio=row["peak_gib"] / chunk_base["peak_gib"] if chunk_base["peak_gib"] > 0
                                else None)
+                    if "tensor_peak_gib" in row:
+                        row.update(chunked_tensor_ratio=row["tensor_peak_gib"] / chunk_base["tensor_peak_gib"])
+                if base is not None and "tensor_peak_gib" in row:
+                    row.update(tensor_ratio=row["tensor_peak_gib"] / base["tensor_peak_gib"])
                 ratio_t = row["seconds"] / base["seconds"] if base else None
                 ratio_m = row["peak_gib"] / base["peak_gib"] if base and base["peak_gib"] > 0 else None  # JSON: null
                 row.update(time_ratio=ratio_t, memory_ratio=ratio_m)
                 rows.append(row)
                 shown = [f"{r:>6.2f}x" if r is not None else f"{'-':>7}" for r in (ratio_t, ratio_m)]
                 guard = f"{row['guard_share']:>6.1%}" if "guard_share" in row else f"{'-':>6}"
+                tensors = (f"{row['tensor_peak_gib']:>11.3f} {row['tensor_ratio']:>8.2f}x" if "tensor_ratio" in row
+                           else f"{row.get('tensor_peak_gib', float('nan')):>11.3f} {'-':>9}")
                 print(f"{V:>7} {B:>3} {engine:<17} {row['seconds']:>8.3f} {shown[0]} {row['peak_gib']:>9.3f} "
-                      f"{shown[1]:>9} {guard:>7}", flush=True)
+                      f"{shown[1]:>9} {guard:>7} {tensors}", flush=True)
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1))
     return rows

@@ -343,9 +343,13 @@ def test_the_clipping_benchmark_prints_and_writes_each_engine(tmp_path, capsys):
     from benchmarks import clipping
 
     rows = clipping.main(["--V", "64", "--B", "3", "--T", "5", "--d", "8", "--layers", "1", "--repeats", "1",
+                          "--chunk", "16", "--engines", *clipping.ENGINES, *clipping.CHUNKED,
                           "--json", str(tmp_path / "rows.json")])
-    assert [r["engine"] for r in rows] == list(clipping.ENGINES) and all("error" not in r for r in rows), rows
+    assert [r["engine"] for r in rows] == [*clipping.ENGINES, *clipping.CHUNKED] and all("error" not in r for r in rows), rows
     assert rows[0]["time_ratio"] == 1.0 and all(r["seconds"] > 0 for r in rows)
+    # the live tensors' peak: every step forms its gradients (the tied table's at least: V x d floats)
+    assert rows[0]["tensor_ratio"] == 1.0 and all(r["tensor_peak_gib"] >= 64 * 8 * 4 / 2**30 for r in rows)
+    assert [r["chunked_tensor_ratio"] for r in rows[-2:]][0] == 1.0
     assert json.loads((tmp_path / "rows.json").read_text()) == rows
     assert "phantom-backward" in capsys.readouterr().out
 

@@ -63,7 +63,7 @@ def _scan(h: torch.Tensor, W: torch.Tensor, chunk: int, expected: bool = False, 
         z = h @ W[start:stop].T
         new = torch.maximum(top, z.max(1).values)
         scale = torch.exp(top - new)
-        e = torch.exp(z - new[:, None])
+        e = z.sub_(new[:, None]).exp_()  # in place: one (N, chunk) buffer a chunk
         total = total * scale + e.sum(1)
         if E is not None:
             E = E * scale[:, None] + e @ W[start:stop]
@@ -71,6 +71,7 @@ def _scan(h: torch.Tensor, W: torch.Tensor, chunk: int, expected: bool = False, 
             es, sc = e.view(groups, N // groups, -1), scale.view(groups, -1)
             S = S * (sc[:, :, None] * sc[:, None, :]) + es @ es.transpose(1, 2)
         top = new
+        del z, e  # freed before the next chunk's buffer is made
     if E is not None:
         E = E / total[:, None]
     if S is not None:
@@ -113,7 +114,9 @@ class _ChunkedCE(torch.autograd.Function):
         if ctx.needs_input_grad[1] and _wanted(ctx.node):
             dW = torch.zeros_like(W)
             for start, stop in _chunks(W.shape[0], ctx.chunk):
-                dW[start:stop] += (torch.exp(h @ W[start:stop].T - lse[:, None]) * g[:, None]).T @ h
+                d = (h @ W[start:stop].T).sub_(lse[:, None]).exp_().mul_(g[:, None])  # g_t p_t, one buffer
+                dW[start:stop].addmm_(d.T, h)
+                del d
             dW.index_add_(0, target, -g[:, None] * h)
         return dh, dW, None, None, None, None, None
 
@@ -161,7 +164,7 @@ class HeadUse:
 
     def _probs(self, start: int, stop: int) -> torch.Tensor:
         """(n, T, stop - start): p_t on rows start..stop - 1."""
-        return torch.exp(self.h @ self.W[start:stop].T - self.lse[..., None])
+        return (self.h @ self.W[start:stop].T).sub_(self.lse[..., None]).exp_()
 
     def _p_at(self, ids: torch.Tensor) -> torch.Tensor:
         """(n, T, S): p_t[ids_s], each example's probabilities at the S rows ``ids`` (n, S) name."""
@@ -191,8 +194,9 @@ class HeadUse:
     def _left(self, start: int, stop: int) -> torch.Tensor:
         """(n, T, stop - start): l_t on rows start..stop - 1."""
         p = self._probs(start, stop)
-        rows = torch.arange(start, stop, device=self.y.device)
-        return self.g[..., None] * (p - (self.y[..., None] == rows).to(p.dtype))
+        at = (self.y >= start) & (self.y < stop)  # the targets among these rows: p_t - e_{y_t} there
+        p[at, self.y[at] - start] -= 1
+        return p.mul_(self.g[..., None])
 
     def _dense_gram(self, left: torch.Tensor, start: int) -> torch.Tensor:
         """(n, T, S): l_t . b_s for a dense left factor ``left`` (n, S, W) on rows start..start + W - 1."""
@@ -229,7 +233,9 @@ class HeadUse:
         lse = self.lse.reshape(-1)
         out = torch.zeros_like(self.W)
         for start, stop in _chunks(self.rows, self.chunk):
-            out[start:stop] = (torch.exp(h @ self.W[start:stop].T - lse[:, None]) * w[:, None]).T @ h
+            d = (h @ self.W[start:stop].T).sub_(lse[:, None]).exp_().mul_(w[:, None])  # one (nT, chunk) buffer
+            out[start:stop].addmm_(d.T, h)
+            del d
         return out.index_add_(0, self.y.reshape(-1), -w[:, None] * h)
 
 
