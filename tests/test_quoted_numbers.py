@@ -452,3 +452,18 @@ def test_the_validation_pass_costs_are_their_json():
         assert last["max_score_difference"] < 1e-6 and last["speedup"] > 1
     worst = max(r.get("max_score_difference", 0) for r in rows.values())
     assert f"the same to {worst:.1e}" in page
+
+
+def test_the_chunked_heads_cost_is_its_json():
+    """docs/clipping.md's chunked-head paragraph: the chunked Phantom step's live-tensor peak and time over
+    the chunked non-private step's, and its peak over whole logits', at each V, from the committed
+    docs/clipping_chunked_benchmark.json (benchmarks/clipping.py)."""
+    rows = {(r["engine"], r["V"]): r for r in json.loads((ROOT / "docs/clipping_chunked_benchmark.json").read_text())}
+    page = " ".join((ROOT / "docs/clipping.md").read_text().split())
+    big, small = rows[("phantom-chunked", 262144)], rows[("phantom-chunked", 131072)]
+    assert f"At V = 262,144 the chunked Phantom step's live-tensor peak is {big['chunked_tensor_ratio']:.2f}x" in page
+    assert f"and {big['tensor_ratio']:.2f}x the whole-logits non-private step's" in page
+    assert f"its time {big['chunked_time_ratio']:.2f}x the chunked non-private step's" in page
+    assert f"At V = 131,072: {small['chunked_tensor_ratio']:.2f}x and {small['chunked_time_ratio']:.2f}x" in page
+    growth = [rows[(e, 262144)]["peak_gib"] for e in ("phantom-chunked", "non-private-chunked", "non-private")]
+    assert f"{growth[0]:.3f} GiB against {growth[1]:.3f} (chunked non-private) and {growth[2]:.3f} (whole logits)" in page
