@@ -57,3 +57,6 @@ def gpt2_loss(model, batch):
 
 
 MODELS = {"tied": (tied_model, loss_fn), "untied": (untied_model, loss_fn), "gpt2": (gpt2_model, gpt2_loss)}
+# FSDP2's units below the root, per model (tests/distributed_worker.py's fsdp mode): a linear layer and a LayerNorm
+# of the toy model; each block of GPT-2
+UNITS = {"tied": lambda m: [m.mid, m.norm], "untied": lambda m: [m.mid, m.norm], "gpt2": lambda m: list(m.transformer.h)}

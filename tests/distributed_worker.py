@@ -1,7 +1,7 @@
 """One rank of tests/test_distributed.py's runs: ``python tests/distributed_worker.py RANK WORLD INIT OUT
 MAX_PHYSICAL_BATCH MODEL [C-by-rank | fsdp]`` trains the shared tiny tied model with ``DistributedDPSGD`` over gloo for the
 first of its two epochs and, on rank 0, saves the parameters and the checkpoint to OUT. ``fsdp``: the model sharded
-by FSDP2 (``fully_shard`` on its linear layer, its LayerNorm and the whole), every rank's initial weights rank 0's,
+by FSDP2 (``fully_shard`` on its units, ``distributed_model.UNITS``, and the whole), every rank's initial weights rank 0's,
 its full parameters saved and the checkpoint's refusal checked."""
 
 import sys
@@ -12,7 +12,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from tests.distributed_model import MODELS, data  # noqa: E402
+from tests.distributed_model import MODELS, UNITS, data  # noqa: E402
 
 
 def main() -> None:
@@ -32,7 +32,7 @@ def main() -> None:
         torch.manual_seed(100)
         model = make()
         mesh = init_device_mesh("cpu", (world,))
-        for part in (model.mid, model.norm, model):
+        for part in (*UNITS[sys.argv[6]](model), model):
             fully_shard(part, mesh=mesh)
     else:
         torch.manual_seed(100 + rank)  # different initial weights on every rank: rank 0's are broadcast

@@ -70,15 +70,18 @@ def test_ranks_give_one_processs_parameters_and_one_process_resumes_them(tmp_pat
     assert again.eps_spent() == dp.eps_spent()
 
 
-@pytest.mark.parametrize("model, most", [("tied", None), ("untied", 3)])
-def test_fsdp2_sharded_ranks_give_one_processs_parameters(tmp_path, model, most):
+@pytest.mark.parametrize("world, model, most", [(2, "tied", None), (2, "untied", 3),
+                                               pytest.param(4, "gpt2", 6, marks=pytest.mark.slow)])
+def test_fsdp2_sharded_ranks_give_one_processs_parameters(tmp_path, world, model, most):
     """FSDP2 (``fully_shard`` on the linear layer, the LayerNorm and the whole model; the tied table one
     parameter in the root's shards): two ranks give one process's parameters after an epoch of 4
     Poisson steps, to float64 rounding: the engine keys the step by the unsharded parameters, the
     clipped sums reach the shards by FSDP's reduce-scatter as sums (divide factor 1), the noise is each
     shard's part of one draw; in micro-batches of 3 a rank sometimes has no example (it steps with a
-    zero loss so that FSDP's collectives meet). A sharded model's checkpoint is refused (in the worker)."""
-    got = _ranks(2, tmp_path, most, model, "fsdp")
+    zero loss so that FSDP's collectives meet); and four ranks on a Hugging Face GPT-2 built from a
+    config, tied as shipped, each block a unit (slow). A sharded model's checkpoint is refused (in the
+    worker)."""
+    got = _ranks(world, tmp_path, most, model, "fsdp")
     dp = _one_process(most, model)
     dp.epoch()
     want = {k: v.detach() for k, v in dp.model.named_parameters()}
