@@ -579,3 +579,63 @@ def test_a_compiled_nanogpt_is_exact_under_the_provenance():
     model = NanoGPT()
     compiled = torch.compile(model)
     exact(model, lambda m, b: lm_losses(compiled, b), tokens(6), steps=1)
+
+
+# --- computations over the examples a chunk at a time ------------------------------------------------
+
+
+class Chunked(nn.Module):
+    """A layer on the whole batch, then a per-example computation run over the examples ``k`` at a time
+    (DPFormer's Re-Attention correction does so above its memory budget) and joined by ``cat``, then a
+    layer on the whole batch again; ``join`` chooses how the chunks are put back."""
+
+    def __init__(self, k=2, join="cat"):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b, self.k, self.join = nn.Linear(4, 5), nn.Linear(5, 1), k, join
+        self.w = torch.randn(5, 5)  # a public matrix, no parameter
+
+    def forward(self, x):
+        h = torch.tanh(self.a(x))
+        parts = [torch.tanh(h[s:s + self.k] @ self.w).view(-1, 5) * h[s:s + self.k].sum(-1, keepdim=True)
+                 for s in range(0, h.shape[0], self.k)]
+        if self.join == "reversed":
+            parts = parts[::-1]
+        if self.join == "layer":  # a layer called on a chunk
+            return torch.cat([self.b(p) for p in parts])
+        if self.join == "across":  # one chunk's values added to another's: examples mixed
+            parts = [parts[0] + parts[1], *parts[1:]]
+        return self.b(torch.cat(parts))
+
+
+@pytest.mark.parametrize("k", [1, 2, 4])
+def test_a_computation_over_chunks_of_the_examples_joined_in_order_is_exact(k):
+    exact(Chunked(k), square, x_batch(6))
+
+
+@pytest.mark.parametrize("join, match", [("reversed", "not the batch in order"),
+                                         ("across", "combining a chunk of the examples with other examples"),
+                                         ("layer", r"holds some of the examples \(a chunk of the batch, x\[0:2\]\)")])
+def test_chunks_joined_out_of_order_mixed_or_fed_to_a_layer_are_refused(join, match):
+    refused(Chunked(2, join), square, x_batch(6), match)
+
+
+def test_dpformers_correction_in_chunks_of_users_is_exact():
+    """Re-Attention's propagated correction over the users a chunk at a time (``keyvar.CHUNK`` made small:
+    12 users in chunks of 5), through the engine, against the brute force; it was refused as mixing."""
+    from pipeline.seqrec import keyvar, reattention
+    from pipeline.seqrec.clipping import user_losses
+
+    M, L, n = 30, 6, 12
+    torch.manual_seed(0)
+    model = reattention.DPFormer(M, L, form="propagated", corrected=None, draws=8, d=8, heads=1, blocks=2, d_ff=16,
+                                 dropout=0.0, tied=True, init_std=0.02)
+    model.set_errors(0.01, torch.full((M + 1,), 0.05))
+    seq = torch.randint(1, M + 1, (n, L + 1), generator=torch.Generator().manual_seed(1))
+    seq[:4, :2] = 0
+    before = keyvar.CHUNK
+    keyvar.CHUNK = L * L * 16 * 5
+    try:
+        exact(model, lambda m, b: user_losses(m, b), (seq[:, :-1], seq[:, 1:]), steps=1)
+    finally:
+        keyvar.CHUNK = before

@@ -63,7 +63,7 @@ from torch.nn.utils import parametrize
 from pipeline.clipping import functional, guard
 from pipeline.clipping.guard import Unsupported
 from pipeline.clipping.layers import lookup
-from pipeline.clipping.provenance import (Layout, Mixed, Positions, Provenance, Refusal, Retry, Rows, Shared,
+from pipeline.clipping.provenance import (Layout, Mixed, Part, Positions, Provenance, Refusal, Retry, Rows, Shared,
                                           batch_tensors)
 from pipeline.clipping.uses import Outer, Stack, Use, inner, merged, stack_key
 
@@ -457,6 +457,10 @@ class PhantomClipping:
                                       "own data only")
                 if isinstance(value, Shared):
                     raise track._misused(value, f"layer {name}")
+                if isinstance(value, Part):
+                    raise Unsupported(f"the {which} of {name} holds some of the examples (a chunk of the batch, "
+                                      f"x[{value.start}:{value.stop}]): the engine records a layer's call on the "
+                                      "whole batch; call the layer on the whole batch and chunk around it")
             if ov is None:
                 if any(track.get(t) is not None for t in tensors):
                     raise Unsupported(f"the output of {name} does not follow the examples of its input: the engine "

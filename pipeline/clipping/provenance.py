@@ -71,6 +71,19 @@ class Rows(NamedTuple):
     inner: int = 1
 
 
+class Part(NamedTuple):
+    """Examples ``start`` to ``stop - 1`` of the batch, in order, along ``dim``: a chunk ``x[start:stop]`` of a
+    tensor laid out ``Layout(dim)`` (a computation that runs over the examples a chunk at a time). An
+    operation on chunks of one range is read as on a batch of that many examples; ``cat`` of chunks that
+    tile the batch in order is the batch again; anything else that meets a chunk is Mixed. ``dim`` None:
+    one example's data, wherever it lies."""
+    dim: int | None
+    start: int
+    stop: int
+    outer: int = 1
+    inner: int = 1
+
+
 class Positions(NamedTuple):
     """An index tensor whose values are positions along a dimension laid out as ``layout`` (what
     ``torch.where`` returns for the examples' dimension of a mask): ``ids`` each entry's example."""
@@ -167,6 +180,8 @@ def _between(value, source: torch.Tensor, target: torch.Tensor, n: int):
         return value
     if isinstance(value, Shared):
         return Mixed("a shared output written through a view")
+    if isinstance(value, Part):
+        return Mixed("a chunk of the examples read through a view of its storage")
     if value.outer != 1 or value.inner != 1:
         return Mixed("a flattened layout read through a view of its storage")
     stride = source.stride(value.dim)
@@ -295,8 +310,10 @@ class Provenance(TorchDispatchMode):
                 self.label(out, value)
             return out
         guesses = frozenset().union(*(self.guesses(t) for t in _inputs(args, kwargs)))
+        parts = {v for t in _inputs(args, kwargs) if isinstance(v := self.get(t), Part)}
         try:
-            labels = self._rule(func, base, args, kwargs, out)
+            labels = self._on_parts(parts, func, base, args, kwargs, out) if parts else self._rule(func, base, args,
+                                                                                                 kwargs, out)
         except Refusal as refusal:
             self._retry(guesses, str(refusal))
             raise
@@ -312,6 +329,58 @@ class Provenance(TorchDispatchMode):
                 self.label(t, value, guesses)
         self._written(func, args, kwargs, labels[0] if labels else None)
         return out
+
+    def _on_parts(self, parts: set, func, name: str, args, kwargs, out):
+        """An operation that meets chunks of the examples (``Part``): ``cat`` of chunks tiling the batch in
+        order along their dimension is the batch; an operation whose labelled inputs are all chunks of one
+        range is read by its rule as on a batch of that many examples (its layouts mapped back to that
+        range), and on a chunk of one example its outputs are that example's (``Part`` without a
+        dimension: with one example, where it lies is not told by any shape); anything else is Mixed."""
+        inputs = list(_inputs(args, kwargs))
+        values = [self.get(t) for t in inputs]
+        if name == "cat" and all(isinstance(v, Part) for v in values if v is not None):
+            tensors = [t for t in kwargs.get("tensors", args[0] if args else ()) if not (t.dim() == 1 and t.numel() == 0)]
+            d = (kwargs.get("dim", args[1] if len(args) > 1 else 0)) % tensors[0].dim()
+            chunks = [self.get(t) for t in tensors]
+            if all(isinstance(v, Part) and (v.outer, v.inner) == (1, 1)
+                   and (v.dim == d or (v.dim is None and t.shape[d] == 1)) for v, t in zip(chunks, tensors)):
+                if [v.start for v in chunks] == [0] + [v.stop for v in chunks[:-1]] and chunks[-1].stop == self.n:
+                    return Layout(d)
+                return Mixed("aten.cat of chunks of the examples that are not the batch in order")
+        ranges = {(v.start, v.stop) for v in parts}
+        if len(ranges) != 1 or any(v is not None and not isinstance(v, Part) for v in values):
+            return Mixed(f"aten.{name} combining a chunk of the examples with other examples' data")
+        start, stop = ranges.pop()
+        if stop - start == 1:  # one example's data, and public values: that example's, wherever it lies
+            outs = _tensors(out)
+            return [Part(None, start, stop)] * len(outs) if len(outs) != 1 else Part(None, start, stop)
+        held = {}
+        for t, v in zip(inputs, values):
+            if isinstance(v, Part) and id(t) not in held:
+                held[id(t)] = self._labels.get(id(t))
+                self.label(t, Layout(v.dim, v.outer, v.inner), self.guesses(t))
+        n, self.n = self.n, stop - start
+        try:
+            labels = self._rule(func, name, args, kwargs, out)
+        finally:
+            self.n = n
+            for key, entry in held.items():
+                if entry is None:
+                    self._labels.pop(key, None)
+                else:
+                    self._labels[key] = entry
+
+        def back(value):
+            if value is None or isinstance(value, Mixed):
+                return value
+            if isinstance(value, Layout):
+                return Part(value.dim, start, stop, value.outer, value.inner)
+            if isinstance(value, Part):  # a chunk of the chunk
+                if value.dim is None or all(v.dim is not None and (v.outer, v.inner) == (1, 1) for v in parts):
+                    return Part(value.dim, start + value.start, start + value.stop)
+            return Mixed(f"aten.{name} on a chunk of the examples")
+
+        return [back(v) for v in labels] if isinstance(labels, list) else back(labels)
 
     def _retry(self, guesses: frozenset, why: str = "") -> None:
         """A refusal, or a mixing where it matters (a layer's input or output, the losses), that a guessed
@@ -696,6 +765,12 @@ class Provenance(TorchDispatchMode):
         if name in ("slice", "narrow"):
             d = a["dim"] % nd
             if d == b and tuple(outs[0].shape) != tuple(t.shape):
+                if isinstance(value, Layout) and (value.outer, value.inner) == (1, 1) and a.get("step", 1) == 1:
+                    size = t.shape[d]
+                    start = a.get("start") or 0
+                    start = min(max(start + size if start < 0 else start, 0), size)
+                    if start + outs[0].shape[d] <= size:  # examples start..start + k - 1, in order: a chunk
+                        return Part(d, start, start + outs[0].shape[d])
                 return Mixed(f"aten.{name} of some of the examples (x[:k])")
             return value
         if name in ("split", "split_with_sizes", "chunk", "tensor_split", "unsafe_split", "unsafe_split_with_sizes",
