@@ -116,3 +116,20 @@ def test_without_a_process_group_or_with_ddps_hooks_it_refuses(tmp_path):
             DistributedDPSGD(tied_model(), data(), loss_fn, eps=-1.0, delta=1e-5, batch_size=16, epochs=1)
     finally:
         dist.destroy_process_group()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["replicated", "fsdp"])
+def test_the_distributed_example_runs_under_torchrun_and_equals_one_process(mode):
+    """examples/dpsgd_distributed.py as docs/dpsgd.md starts it (torchrun, two processes, gloo): a Hugging
+    Face GPT-2, tied, replicated or sharded by FSDP2, ends its epoch with one process's parameters."""
+    import os
+    import re
+
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                           "examples/dpsgd_distributed.py", "--mode", mode, "--compare"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=400, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert f"{mode} on 2 ranks: 4 steps" in proc.stdout, proc.stdout
+    found = re.search(r"largest parameter difference ([0-9.e+-]+)", proc.stdout)
+    assert found and float(found[1]) < 1e-12, proc.stdout
