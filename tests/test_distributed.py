@@ -133,3 +133,18 @@ def test_the_distributed_example_runs_under_torchrun_and_equals_one_process(mode
     assert f"{mode} on 2 ranks: 4 steps" in proc.stdout, proc.stdout
     found = re.search(r"largest parameter difference ([0-9.e+-]+)", proc.stdout)
     assert found and float(found[1]) < 1e-12, proc.stdout
+
+
+@pytest.mark.slow
+def test_the_distributed_benchmark_prints_each_layout_and_engine_per_world(tmp_path, capsys):
+    """benchmarks/distributed.py at a toy size: one and two gloo processes, replicated and FSDP2, Phantom
+    and non-private, each row with its ratios to the non-private step of its layout and world."""
+    from benchmarks import distributed
+
+    rows = distributed.main(["--world", "1", "2", "--V", "64", "--B", "4", "--d", "8", "--layers", "1", "--T", "4",
+                             "--repeats", "1", "--json", str(tmp_path / "rows.json")])
+    assert [(r["world"], r["layout"], r["engine"]) for r in rows] == [
+        (w, layout, e) for w in (1, 2) for layout in distributed.LAYOUTS for e in distributed.ENGINES]
+    assert all(r["seconds"] > 0 and r["tensor_peak_gib"] > 0 for r in rows)
+    assert [r["time_ratio"] for r in rows if r["engine"] == "non-private"] == [1.0] * 4
+    assert "fsdp" in capsys.readouterr().out

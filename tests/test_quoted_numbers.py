@@ -467,3 +467,15 @@ def test_the_chunked_heads_cost_is_its_json():
     assert f"At V = 131,072: {small['chunked_tensor_ratio']:.2f}x and {small['chunked_time_ratio']:.2f}x" in page
     growth = [rows[(e, 262144)]["peak_gib"] for e in ("phantom-chunked", "non-private-chunked", "non-private")]
     assert f"{growth[0]:.3f} GiB against {growth[1]:.3f} (chunked non-private) and {growth[2]:.3f} (whole logits)" in page
+
+
+def test_the_distributed_cost_is_its_json():
+    """docs/dpsgd.md's per-rank cost: Phantom over non-private per layout at 1, 2 and 4 ranks, in time and in
+    the live-tensor peak, from the committed docs/distributed_benchmark.json (benchmarks/distributed.py)."""
+    rows = json.loads((ROOT / "docs/distributed_benchmark.json").read_text())
+    ph = {(r["layout"], r["world"]): r for r in rows if r["engine"] == "phantom"}
+    page = " ".join((ROOT / "docs/dpsgd.md").read_text().split())
+    for layout, said in (("replicated", "replicated"), ("fsdp", "sharded by FSDP2")):
+        times = ", ".join(f"{ph[(layout, w)]['time_ratio']:.2f}x" for w in (1, 2, 4))
+        peaks = ", ".join(f"{ph[(layout, w)]['tensor_ratio']:.2f}x" for w in (1, 2, 4))
+        assert f"{said} {times}" in page and peaks in page, (layout, times, peaks)
