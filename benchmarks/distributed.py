@@ -20,6 +20,7 @@ GPUs, ``--device cuda`` runs the same over NCCL, one GPU a rank (not run here: n
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -108,6 +109,20 @@ def _rank(rank: int, world: int, init: str, args: dict, out: str) -> None:
         dist.destroy_process_group()
 
 
+@contextlib.contextmanager
+def _for_the_ranks(**defaults: str):
+    """Environment variables the spawned ranks start with (where this process has not set them), undone
+    when they end: a caller that runs ``main`` in-process keeps its own environment for what it starts
+    next (the tests' fork server forks only requests whose start-up settings equal its own)."""
+    unset = [k for k in defaults if k not in os.environ]
+    os.environ.update({k: defaults[k] for k in unset})
+    try:
+        yield
+    finally:
+        for k in unset:
+            os.environ.pop(k, None)
+
+
 def main(argv: list[str] | None = None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--world", type=int, nargs="+", default=[1, 2, 4])
@@ -130,8 +145,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     for world in a.world:
         with tempfile.TemporaryDirectory() as tmp:
             init, out = f"file://{tmp}/rendezvous", f"{tmp}/rows.json"
-            os.environ.setdefault("OMP_NUM_THREADS", "1")
-            mp.spawn(_rank, args=(world, init, args, out), nprocs=world, join=True)
+            with _for_the_ranks(OMP_NUM_THREADS="1"):
+                mp.spawn(_rank, args=(world, init, args, out), nprocs=world, join=True)
             found = json.loads(Path(out).read_text())
         for layout in LAYOUTS:
             base = next(r for r in found if r["layout"] == layout and r["engine"] == "non-private")

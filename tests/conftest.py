@@ -51,6 +51,23 @@ def _xdist_groups(config, items) -> None:
 
 
 @pytest.fixture(autouse=True)
+def _startup_settings_restored():
+    """No test may leave a start-up setting (thread counts, hash seed, paths, locale: forkserver's
+    STARTUP_KEYS) changed in the process: every later test's command would then run in a fresh interpreter
+    rather than forked, and a test that a child was forked would fail far from the cause (a benchmark run
+    in-process once left OMP_NUM_THREADS=1 behind)."""
+    before = forkserver._startup_env(dict(os.environ))
+    yield
+    after = forkserver._startup_env(dict(os.environ))
+    if after != before:
+        changed = sorted(k for k in {*before, *after} if before.get(k) != after.get(k))
+        for k in changed:  # undone, so that only this test fails
+            os.environ.pop(k, None) if k not in before else os.environ.__setitem__(k, before[k])
+        pytest.fail(f"the test left start-up settings changed in os.environ: "
+                    f"{', '.join(f'{k}: {before.get(k)!r} -> {after.get(k)!r}' for k in changed)}")
+
+
+@pytest.fixture(autouse=True)
 def _tracking_uri_restored():
     """Whatever MLflow tracking URI a test sets (``tracking.setup`` sets it process-wide) is undone
     after it, so that no test depends on the ones before it; and no test may leave an MLflow run
