@@ -479,3 +479,14 @@ def test_the_distributed_cost_is_its_json():
         times = ", ".join(f"{ph[(layout, w)]['time_ratio']:.2f}x" for w in (1, 2, 4))
         peaks = ", ".join(f"{ph[(layout, w)]['tensor_ratio']:.2f}x" for w in (1, 2, 4))
         assert f"{said} {times}" in page and peaks in page, (layout, times, peaks)
+
+
+def test_the_provenances_cost_at_the_stages_shapes_is_its_json():
+    """docs/clipping.md quotes the record's share of a Phantom step and the null mode's floor at B = 128,
+    256 and 512 from docs/clipping_provenance_cost.json (benchmarks/provenance.py)."""
+    rows = json.loads((ROOT / "docs/clipping_provenance_cost.json").read_text())["rows"]
+    assert [r["B"] for r in rows] == [128, 256, 512] and {(r["L"], r["M"]) for r in rows} == {(20, 500)}
+    page = " ".join((ROOT / "docs/clipping.md").read_text().split())
+    shares = ", ".join(f"{r['share']:.1%}" for r in rows)
+    floors = ", ".join(f"{r['floor']:.1%}" for r in rows)
+    assert f"the record took {shares} of a Phantom step" in page and f"was {floors}" in page

@@ -99,3 +99,16 @@ def test_the_validation_benchmark_ranks_the_last_position_as_the_full_forward_do
     with pytest.raises(SystemExit) as stop:
         seqrec_validation.main(["--users", "0"])
     assert stop.value.code == 2
+
+
+def test_the_provenance_benchmark_times_each_pass_of_the_stages_model(tmp_path, capsys):
+    """benchmarks/provenance.py at a toy size: every pass timed, the provenance's share of the Phantom
+    step and the null mode's floor read from those times, the rows written."""
+    from benchmarks import provenance
+
+    rows = provenance.main(["--B", "4", "--L", "5", "--M", "20", "--repeats", "2", "--json", str(tmp_path / "p.json")])
+    (r,) = rows
+    assert all(r[f"{k}_ms"] > 0 for k in ("plain", "provenance", "null", "step"))
+    assert r["share"] == pytest.approx((r["provenance_ms"] - r["plain_ms"]) / r["step_ms"], rel=1e-3)
+    assert r["floor"] == pytest.approx((r["null_ms"] - r["plain_ms"]) / r["step_ms"], rel=1e-3)
+    assert "share" in capsys.readouterr().out and (tmp_path / "p.json").is_file()
