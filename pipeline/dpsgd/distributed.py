@@ -105,6 +105,37 @@ def _digest(data) -> str:
     return found.hexdigest()
 
 
+def share_steps(trainer, model: torch.nn.Module, group=None, *, sharded: bool = False) -> None:
+    """Make ``trainer`` (a ``pipeline.dpsgd.Trainer``, built alike on every rank: the same plan, chunking,
+    seed and data) this rank's part of one distributed DP-SGD, as the module's docstring says: rank 0's
+    initial weights broadcast, each micro-batch's examples dealt to the ranks (positions r, r + world, ...),
+    each rank's clipped sum all-reduced before the noise, which every rank draws alike. Call it on every
+    rank, before the first step. ``DistributedDPSGD`` is built on it; so is a task's own trainer (the
+    language model's cells under torchrun, ``train.distributed``)."""
+    source = dist.get_global_rank(group, 0) if group is not None else 0
+    from torch.distributed.tensor import DTensor
+
+    for t in list(model.parameters()) + list(model.buffers()):  # one replica: rank 0's initial weights
+        if not isinstance(t, DTensor):  # a sharded parameter is held once, in its shards
+            dist.broadcast(t.data, src=source, group=group)
+    take, rank, world = trainer.take, dist.get_rank(group), dist.get_world_size(group)
+
+    def share(indices: torch.Tensor) -> _Share:
+        mine = indices[rank::world]
+        spare = take(indices[:1]) if sharded and not len(mine) else None
+        return _Share(take(mine) if len(mine) else None, len(indices), rank, world, spare)
+
+    trainer.take = share
+    trainer.engine = _Reduced(trainer.engine, trainer.params, group, sharded)
+
+
+def from_rank_0(value: Any, group=None) -> Any:
+    """Rank 0's ``value`` (any picklable object: a checkpoint's state, a decision) on every rank."""
+    box = [value]
+    dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
+    return box[0]
+
+
 class DistributedDPSGD(DPSGD):
     """``DPSGD`` (same arguments, same guarantees) on every rank of the initialised default process
     group (or ``group``): see the module's docstring. Call every method on every rank (``save``
@@ -163,22 +194,7 @@ class DistributedDPSGD(DPSGD):
             raise ValueError(f"the ranks' DPSGD {' and '.join(differ)} differ (every rank must pass the same arguments "
                              f"and hold the same data: one Poisson sample is drawn over all of it): "
                              f"{[f[differ[0]] for f in found] if differ[0] != 'data' else 'data digests differ'}")
-        source = dist.get_global_rank(group, 0) if group is not None else 0
-        from torch.distributed.tensor import DTensor
-
-        for t in list(model.parameters()) + list(model.buffers()):  # one replica: rank 0's initial weights
-            if not isinstance(t, DTensor):  # a sharded parameter is held once, in its shards
-                dist.broadcast(t.data, src=source, group=group)
-        trainer = self.trainer
-        take, rank, world = trainer.take, self.rank, self.world
-
-        def share(indices: torch.Tensor) -> _Share:
-            mine = indices[rank::world]
-            spare = take(indices[:1]) if sharded and not len(mine) else None
-            return _Share(take(mine) if len(mine) else None, len(indices), rank, world, spare)
-
-        trainer.take = share
-        trainer.engine = _Reduced(trainer.engine, trainer.params, group, bool(sharded))
+        share_steps(self.trainer, model, group, sharded=bool(sharded))
         self.sharded = bool(sharded)
 
     def fit(self, on_epoch=None, *, log_every: float | None = 10.0):
@@ -210,10 +226,8 @@ class DistributedDPSGD(DPSGD):
                 super().save(path)
             except Exception as err:  # noqa: BLE001 -- every rank raises, none waits
                 error = err
-        status = [None if error is None else f"{type(error).__name__}: {error}"]
-        dist.broadcast_object_list(status, src=dist.get_global_rank(self.group, 0) if self.group is not None else 0,
-                                   group=self.group)
+        status = from_rank_0(None if error is None else f"{type(error).__name__}: {error}", self.group)
         if error is not None:
             raise error
-        if status[0] is not None:
-            raise OSError(f"rank 0 could not write the checkpoint {path}: {status[0]}")
+        if status is not None:
+            raise OSError(f"rank 0 could not write the checkpoint {path}: {status}")

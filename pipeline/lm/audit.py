@@ -152,6 +152,9 @@ def validate(cfg) -> tuple:
     from pipeline.validation import ConfigError
 
     s = config.validate(cfg)
+    if s.distributed is not None:
+        raise ConfigError(f"train.distributed = {s.distributed!r}: the whole-run audit trains in one process "
+                          "(train.distributed=null)")
     bounds.check_keys(cfg.audit)
     spec = cfg.audit.get("lm") or {}
     m = {"dirac": validation.positive_int(spec.get("m", 1000), "audit.lm.m"),

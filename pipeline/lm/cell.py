@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import time
 from pathlib import Path
 
@@ -60,11 +61,61 @@ def headline_params(s: config.Settings) -> dict:
     return dict(zip(HEADLINE_PARAMS, (tying(s), s.eps, s.vocab_kind, s.engine, s.lr, s.seed)))
 
 
-def run(cfg: DictConfig, s: config.Settings) -> Path:
-    """Run one validated cell (``config.validate``'s settings ``s``); return its ``results.csv``."""
+def run(cfg: DictConfig, s: config.Settings) -> Path | None:
+    """Run one validated cell (``config.validate``'s settings ``s``); return its ``results.csv`` (None on
+    a rank other than 0 of ``train.distributed``, which records nothing: ``ranks.py``)."""
     if s.threads:
         torch.set_num_threads(s.threads)
     dev = device.of(cfg)
+    if s.distributed is None:
+        return _run(cfg, s, dev)
+    from pipeline.lm import data, ranks
+
+    if dev.type == "cuda":  # one GPU per rank
+        dev = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+    rank, world = ranks.start(cfg, data.resolve(s.archive), dev.type)
+    try:
+        return _run(cfg, s, dev, world) if rank == 0 else follow(cfg, s, dev)
+    finally:
+        ranks.finish()
+
+
+def _plan(s: config.Settings, prep) -> train.Plan:
+    private = s.engine != "none" and math.isfinite(s.eps)
+    spent_apart = config.vocab_budget(s) if s.vocab_kind == "private_groups" else (0.0, 0.0)
+    return train.plan(n_posts=prep.rows.shape[0], batch_size=s.batch_size, epochs=s.epochs, eps=s.eps, delta=s.delta,
+                      private=private, vocab_share=s.vocab_share, accountant=s.accountant, vocab_spent=spent_apart)
+
+
+def _model(s: config.Settings, prep, dev: torch.device) -> tuple[torch.nn.Module, Path | None]:
+    """The cell's model on ``dev``, initialised from the seed's ``init`` stream, or from the pretrained model a
+    fine-tuning starts from (``model.init``); and that model's path."""
+    torch.manual_seed(streams.seed_of(s.seed, "init"))
+    model = models.build(vocab_size=prep.V, max_len=s.L, d=s.d, layers=s.layers, heads=s.heads, tied=s.tied,
+                         dropout=s.dropout, eos_id=prep.eos_id, chunked_head=s.chunked_head)
+    start_from = pretrained.path_of(s) if s.init is not None else None
+    if start_from is not None:  # matched to these settings by the validation
+        pretrained.load_into(model, pretrained.read(start_from))
+    return model.to(dev), start_from
+
+
+def _train_kwargs(s: config.Settings) -> dict:
+    return dict(engine=s.engine, C=s.C, lr=s.lr, warmup=s.warmup, weight_decay=s.weight_decay, seed=s.seed,
+                validate_every=s.validate_every, max_physical_batch=s.max_physical_batch,
+                distributed=s.distributed is not None)
+
+
+def follow(cfg: DictConfig, s: config.Settings, dev: torch.device) -> None:
+    """A rank other than 0 of ``train.distributed``: the same posts and model as rank 0's, its share of every
+    DP-SGD step, nothing recorded (rank 0 validates, evaluates and records the run)."""
+    device.configure(cfg, dev)
+    prep = prepare(s, s.seed)
+    model, _ = _model(s, prep, dev)
+    train.run(model, prep.rows, prep.mask, _plan(s, prep), windows=prep.posts, **_train_kwargs(s))
+    return None
+
+
+def _run(cfg: DictConfig, s: config.Settings, dev: torch.device, world: int = 1) -> Path:
     device.configure(cfg, dev)
     start = time.perf_counter()
     out = tracking.output_dir()
@@ -75,11 +126,7 @@ def run(cfg: DictConfig, s: config.Settings) -> Path:
     log.info("cell: %s: preparing the data", cell_name(s))  # where a cell of seconds to hours stands
     prep = prepare(s, s.seed)  # the archive was read and checked by config.validate
     data_seconds = time.perf_counter() - start
-    private = s.engine != "none" and math.isfinite(s.eps)
-    spent_apart = config.vocab_budget(s) if s.vocab_kind == "private_groups" else (0.0, 0.0)
-    run_plan = train.plan(n_posts=prep.rows.shape[0], batch_size=s.batch_size, epochs=s.epochs, eps=s.eps,
-                          delta=s.delta, private=private, vocab_share=s.vocab_share, accountant=s.accountant,
-                          vocab_spent=spent_apart)
+    run_plan = _plan(s, prep)
     log.info("data: %d training rows, V = %d (%.1f s); training: epochs %d, DP-SGD steps %d", prep.rows.shape[0],
              prep.V, data_seconds, s.epochs, run_plan.steps)
     tracking.setup(cfg)
@@ -96,15 +143,10 @@ def run(cfg: DictConfig, s: config.Settings) -> Path:
             "sample_rate": run_plan.sample_rate, "steps": run_plan.steps, "sigma": run_plan.sigma,
             "eps_spent": run_plan.eps_spent, "vocab_eps": run_plan.vocab_eps, "vocab_delta": run_plan.vocab_delta,
             "d": s.d, "layers": s.layers, "heads": s.heads})
-        tracking.log_params("compute", {"device": str(dev), "device_name": device.name(dev), "tf32": cfg.compute.tf32})
+        tracking.log_params("compute", {"device": str(dev), "device_name": device.name(dev), "tf32": cfg.compute.tf32,
+                                        **({"ranks": world, "distributed": s.distributed} if s.distributed else {})})
         tracking.log_metrics("data", {"seconds": data_seconds})
-        torch.manual_seed(streams.seed_of(s.seed, "init"))
-        model = models.build(vocab_size=prep.V, max_len=s.L, d=s.d, layers=s.layers, heads=s.heads, tied=s.tied,
-                             dropout=s.dropout, eos_id=prep.eos_id, chunked_head=s.chunked_head)
-        start_from = pretrained.path_of(s) if s.init is not None else None
-        if start_from is not None:  # matched to these settings by the validation
-            pretrained.load_into(model, pretrained.read(start_from))
-        model = model.to(dev)
+        model, start_from = _model(s, prep, dev)
         tracking.log_params("model", {"parameters": models.parameters(model),
                                       **({"init": str(start_from)} if start_from is not None else {})})
         valid = {"valid": prep.splits["valid"]}
@@ -137,10 +179,8 @@ def run(cfg: DictConfig, s: config.Settings) -> Path:
                                                      *(() if prep.posts is None else (prep.posts.ids, prep.posts.length)))}
         if start_from is not None:  # a checkpoint fine-tuned from another pretrained model is not resumed
             key["init_hash"] = pretrained.digest(start_from)
-        history = train.run(model, prep.rows, prep.mask, run_plan, engine=s.engine, C=s.C, lr=s.lr, warmup=s.warmup,
-                            weight_decay=s.weight_decay, seed=s.seed, validate=validate, on_epoch=on_epoch,
-                            checkpoint=saved, resume=resume, key=key, validate_every=s.validate_every,
-                            max_physical_batch=s.max_physical_batch, windows=prep.posts)
+        history = train.run(model, prep.rows, prep.mask, run_plan, validate=validate, on_epoch=on_epoch,
+                            checkpoint=saved, resume=resume, key=key, windows=prep.posts, **_train_kwargs(s))
         device.synchronize(dev)
         seconds = time.perf_counter() - t0
         epochs = len(history.loss)

@@ -19,7 +19,8 @@ The keys (``conf/lm/``'s groups and ``conf/lm/experiment/lm_cpu.yaml``, where ea
   fine-tune, ``pretrained.py``), ``save`` (where a pretraining writes its model);
 - ``clipping``: ``name`` (phantom, per_sample, ghost, none), ``C``;
 - ``train``: ``batch_size``, ``epochs``, ``lr``, ``warmup``, ``weight_decay``, ``accountant``,
-  ``max_physical_batch``, ``eval_batch``, ``validate_every``, ``threads``, ``checkpoint``;
+  ``max_physical_batch``, ``eval_batch``, ``validate_every``, ``threads``, ``checkpoint``,
+  ``distributed`` (null, or ddp under torchrun: ``ranks.py``);
 - ``privacy``: ``eps``, ``delta`` (the run's whole budget, the vocabulary's share included).
 
 A budget DP-SGD's accountant cannot reach with the run's sampling rate and steps is refused here
@@ -35,7 +36,7 @@ from omegaconf import DictConfig
 
 from pipeline import validation
 from pipeline.dpsgd import planning
-from pipeline.lm import data, engines, vocab
+from pipeline.lm import data, engines, ranks, vocab
 from pipeline.validation import ConfigError
 
 ACCOUNTANTS = planning.ACCOUNTANTS
@@ -84,6 +85,7 @@ class Settings:
     vocab_eps: float = 0.0  # private_groups: the selection's own (eps, delta), spent once and taken off DP-SGD's
     vocab_delta: float = 0.0
     chunked_head: int = 0  # > 0: the training loss reads the output layer this many vocabulary rows at a time
+    distributed: str | None = None  # ddp: one cell's DP-SGD across the processes torchrun started (ranks.py)
 
 
 EXAMPLES = ("post", "post_window", "windows")
@@ -197,6 +199,14 @@ def settings(cfg: DictConfig) -> Settings:
     eval_batch = validation.positive_int(tr.get("eval_batch", 64), "train.eval_batch")
     validate_every = validation.positive_int(tr.get("validate_every", 1), "train.validate_every")
     threads = validation.threads(tr.get("threads"), "train.threads")
+    distributed = tr.get("distributed")
+    if distributed == "fsdp":
+        raise ConfigError("train.distributed = 'fsdp': the language model's cells run replicated across processes "
+                          "(train.distributed=ddp); sharding by FSDP2 is the trainer's (pipeline.dpsgd.distributed."
+                          "DistributedDPSGD, examples/dpsgd_distributed.py --mode fsdp)")
+    if distributed is not None and distributed not in ranks.MODES:
+        raise ConfigError(f"train.distributed must be null (one process) or 'ddp' (one cell across the processes "
+                          f"torchrun starts), got {distributed!r}")
     checkpoint = tr.get("checkpoint", True)
     if not isinstance(checkpoint, bool):
         raise ConfigError(f"train.checkpoint must be true or false, got {checkpoint!r}")
@@ -229,7 +239,7 @@ def settings(cfg: DictConfig) -> Settings:
     return Settings(ds.archive, valid_fraction, posts, eval_posts, L, kind, size, share, max_pieces, d, layers, heads,
                     m.tied, dropout, engine, C, batch_size, epochs, lr, warmup, weight_decay, accountant, chunk, eval_batch,
                     validate_every, threads, checkpoint, eps, delta, validation.seed(cfg.seed), public_groups, part,
-                    examples, init, save, vocab_eps, vocab_delta, chunked_head)
+                    examples, init, save, vocab_eps, vocab_delta, chunked_head, distributed)
 
 
 def _path(value, key: str) -> str | None:
@@ -270,6 +280,7 @@ def validate(cfg: DictConfig) -> Settings:
     from pipeline.lm import pretrained, streams
 
     s = settings(cfg)
+    ranks.check(s.distributed, cfg)  # the environment's part: torchrun's, before any data
     if s.posts is not None:  # the training set's size is known: the budget is checked before the archive is read
         calibrates(s, s.posts)
     path = data.resolve(s.archive)

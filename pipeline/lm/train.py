@@ -79,7 +79,7 @@ def run(model, rows: torch.Tensor, mask: torch.Tensor, run_plan: Plan, *, engine
         warmup: float, weight_decay: float, seed: int, validate: Callable | None = None,
         on_epoch: Callable[[int, dict], None] | None = None, canaries=None, checkpoint: Path | None = None,
         resume: bool = False, key: dict | None = None, validate_every: int = 1,
-        max_physical_batch: int | None = None, windows=None) -> History:
+        max_physical_batch: int | None = None, windows=None, distributed: bool = False) -> History:
     """Train ``model`` in place on the (n, L + 1) ``rows`` and their target ``mask``, or, with
     ``windows`` (``examples.Posts`` of the same n posts), on one window of each sampled post drawn
     afresh at every step (``examples.window_rows``; step t's offsets are drawn for all n posts from
@@ -92,9 +92,14 @@ def run(model, rows: torch.Tensor, mask: torch.Tensor, run_plan: Plan, *, engine
     ``checkpoint`` (a path), everything the next epoch depends on (``pipeline.dpsgd.Trainer.state_dict``,
     the history) is saved there at the end of every epoch (``pipeline.checkpoints``); with ``resume``, a
     checkpoint there whose ``key`` matches is continued from, and the run ends with the numbers of an
-    uninterrupted one. ``validate`` runs after every ``validate_every``-th epoch and after the last."""
+    uninterrupted one. ``validate`` runs after every ``validate_every``-th epoch and after the last.
+    ``distributed``: this process is one rank of several (``ranks.py``; the default process group): its share
+    of each micro-batch clipped here, the clipped sums all-reduced (``pipeline.dpsgd.distributed.share_steps``),
+    a checkpoint resumed from rank 0's state (pass ``checkpoint`` and ``resume`` on rank 0 only)."""
     if windows is not None and len(windows.length) != rows.shape[0]:
         raise ValueError(f"windows holds {len(windows.length)} posts and rows {rows.shape[0]}: one of each per post")
+    if canaries is not None and distributed:
+        raise ValueError("canaries audit a run in one process: the audit does not run across ranks")
     if canaries is not None and engine == "none":
         raise ValueError("canaries audit a private run: engine none has no clipped sum to join")
     from pipeline.lm import examples
@@ -122,11 +127,19 @@ def run(model, rows: torch.Tensor, mask: torch.Tensor, run_plan: Plan, *, engine
                             noise=torch.Generator().manual_seed(streams.seed_of(seed, "noise")),
                             max_physical_batch=max_physical_batch, canaries=canaries,
                             hint=f"train.lr = {lr}, clipping.C = {C}")
+    if distributed:
+        from pipeline.dpsgd.distributed import share_steps
+
+        share_steps(trainer, model)
     history = History()
     model.train()  # dropout as configured (Opacus's hooks record in training mode only)
     epochs = run_plan.steps // run_plan.steps_per_epoch
     first = 1
     state = checkpoints.load(checkpoint, key or {}) if resume else None
+    if distributed:  # rank 0's checkpoint, on every rank
+        from pipeline.dpsgd.distributed import from_rank_0
+
+        state = from_rank_0(state)
     if state is not None:
         trainer.load_state_dict(state["dpsgd"], where=str(checkpoint))
         history = History(**state["history"])
