@@ -105,6 +105,11 @@ def _digest(data) -> str:
     return found.hexdigest()
 
 
+def _rank_0(group) -> int:
+    """The global rank of ``group``'s rank 0 (the default group's: 0)."""
+    return dist.get_global_rank(group, 0) if group is not None else 0
+
+
 def share_steps(trainer, model: torch.nn.Module, group=None, *, sharded: bool = False) -> None:
     """Make ``trainer`` (a ``pipeline.dpsgd.Trainer``, built alike on every rank: the same plan, chunking,
     seed and data) this rank's part of one distributed DP-SGD, as the module's docstring says: rank 0's
@@ -112,7 +117,7 @@ def share_steps(trainer, model: torch.nn.Module, group=None, *, sharded: bool = 
     each rank's clipped sum all-reduced before the noise, which every rank draws alike. Call it on every
     rank, before the first step. ``DistributedDPSGD`` is built on it; so is a task's own trainer (the
     language model's cells under torchrun, ``train.distributed``)."""
-    source = dist.get_global_rank(group, 0) if group is not None else 0
+    source = _rank_0(group)
     from torch.distributed.tensor import DTensor
 
     for t in list(model.parameters()) + list(model.buffers()):  # one replica: rank 0's initial weights
@@ -132,7 +137,7 @@ def share_steps(trainer, model: torch.nn.Module, group=None, *, sharded: bool = 
 def from_rank_0(value: Any, group=None) -> Any:
     """Rank 0's ``value`` (any picklable object: a checkpoint's state, a decision) on every rank."""
     box = [value]
-    dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
+    dist.broadcast_object_list(box, src=_rank_0(group), group=group)
     return box[0]
 
 

@@ -178,7 +178,7 @@ def from_config(cfg):
     each an MLflow run (kind=audit, scope=run) with its figure and scores; ``audit.csv``,
     ``audit.md`` and ``metrics.json`` hold every row (in the run's folder, and in ``report.dir``
     where set: a DVC stage's artifacts)."""
-    from pipeline.lm import config, models
+    from pipeline.lm import cell, config
     from pipeline.lm.prepare import prepare
 
     s, m, variants = validate(cfg)  # before anything is created or computed
@@ -187,9 +187,7 @@ def from_config(cfg):
     prep = prepare(s, s.seed)
 
     def build():
-        torch.manual_seed(streams.seed_of(s.seed, "init"))
-        return models.build(vocab_size=prep.V, max_len=s.L, d=s.d, layers=s.layers, heads=s.heads, tied=s.tied,
-                            dropout=s.dropout, eos_id=prep.eos_id, chunked_head=s.chunked_head)
+        return cell.fresh(s, prep)
 
     coordinates = sum(p.numel() for p in build().parameters() if p.requires_grad)
     eps, delta = config.dpsgd_budget(s)  # what the vocabulary leaves of the run's budget

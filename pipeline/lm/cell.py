@@ -87,12 +87,18 @@ def _plan(s: config.Settings, prep) -> train.Plan:
                       private=private, vocab_share=s.vocab_share, accountant=s.accountant, vocab_spent=spent_apart)
 
 
+def fresh(s: config.Settings, prep) -> torch.nn.Module:
+    """The settings' model for ``prep``'s vocabulary, on the CPU, initialised from the seed's ``init`` stream
+    (a cell's, before any pretrained weights; an audit's, for each of its trainings)."""
+    torch.manual_seed(streams.seed_of(s.seed, "init"))
+    return models.build(vocab_size=prep.V, max_len=s.L, d=s.d, layers=s.layers, heads=s.heads, tied=s.tied,
+                        dropout=s.dropout, eos_id=prep.eos_id, chunked_head=s.chunked_head)
+
+
 def _model(s: config.Settings, prep, dev: torch.device) -> tuple[torch.nn.Module, Path | None]:
     """The cell's model on ``dev``, initialised from the seed's ``init`` stream, or from the pretrained model a
     fine-tuning starts from (``model.init``); and that model's path."""
-    torch.manual_seed(streams.seed_of(s.seed, "init"))
-    model = models.build(vocab_size=prep.V, max_len=s.L, d=s.d, layers=s.layers, heads=s.heads, tied=s.tied,
-                         dropout=s.dropout, eos_id=prep.eos_id, chunked_head=s.chunked_head)
+    model = fresh(s, prep)
     start_from = pretrained.path_of(s) if s.init is not None else None
     if start_from is not None:  # matched to these settings by the validation
         pretrained.load_into(model, pretrained.read(start_from))
@@ -112,7 +118,6 @@ def follow(cfg: DictConfig, s: config.Settings, dev: torch.device) -> None:
     prep = prepare(s, s.seed)
     model, _ = _model(s, prep, dev)
     train.run(model, prep.rows, prep.mask, _plan(s, prep), windows=prep.posts, **_train_kwargs(s))
-    return None
 
 
 def _run(cfg: DictConfig, s: config.Settings, dev: torch.device, world: int = 1) -> Path:
