@@ -88,4 +88,28 @@ def test_the_documented_epoch_profile_is_the_committed_one():
     page = " ".join((ROOT / "docs/running.md").read_text().split())
     for key in found:
         assert f"{found[key]:.1f} s" in page, key
-    assert found["reattention_variance"] > found["engine_uses"]  # the claim the paragraph makes
+    assert found["engine_uses"] > found["reattention_variance"]  # the claims the paragraph makes
+    assert found["validation"] < 0.05 * found["train"] and found["steps"] + found["validation"] <= found["train"]
+
+
+def test_the_epoch_profile_reads_each_function_by_file_and_name_and_refuses_a_moved_one():
+    """benchmarks/epoch_profile.py sums the seconds of the functions it names (by file and function, not by
+    line: cumulative, or their own for a whole file), and stops where one never ran (a renamed function
+    would silently read 0)."""
+    from types import SimpleNamespace
+
+    from benchmarks import epoch_profile
+
+    stats = {}
+    for i, (key, (kind, wanted)) in enumerate(epoch_profile.FUNCTIONS.items()):
+        for j, (suffix, name) in enumerate(wanted):  # own seconds 0.5, cumulative 1 + i + j / 4
+            stats[(f"/x/{suffix}", 10 * i + j, name or "anything")] = (1, 1, 0.5, 1.0 + i + 0.25 * j, {})
+    stats[("/x/pipeline/seqrec/other.py", 1, "run")] = (1, 1, 0.5, 99.0, {})  # same name, another file
+    stats[("/x/pipeline/clipping/provenance.py", 99, "another")] = (1, 1, 0.25, 99.0, {})
+    found = epoch_profile.read(SimpleNamespace(stats=stats))
+    uses = list(epoch_profile.FUNCTIONS).index("engine_uses")
+    assert found["train"] == 1.0 and found["engine_uses"] == round(3 * (1.0 + uses) + 0.25 * 3, 1)
+    assert found["provenance_python"] == 0.8  # 0.5 + 0.25, own seconds of every function of the file, rounded
+    del stats[next(k for k in stats if k[0].endswith("keyvar.py"))]
+    with pytest.raises(SystemExit, match="reattention_variance"):
+        epoch_profile.read(SimpleNamespace(stats=stats))
