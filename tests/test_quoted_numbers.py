@@ -247,18 +247,18 @@ def test_the_cost_table_is_the_committed_benchmark():
         assert f"| {V:,} | {' | '.join(shown)} |" in text(LM), V
 
 
-@pytest.mark.parametrize("page, stage, runs, groups", [("docs/lm.md", "lm_audit_run", 42, 10),
-                                                       ("docs/dpformer.md", "dpformer_audit_run", 43, 11)])
+@pytest.mark.parametrize("page, stage, runs, groups", [("docs/dpformer.md", "dpformer_audit_run", 43, 11)])
 def test_the_whole_run_audit_table_is_the_committed_metrics(page, stage, runs, groups):
     """The docs' table of a whole-run audit's DVC stage (``python -m pipeline.audit.summary``'s summary over
-    seeds): every group of the committed metrics.json is a row, and each row's seeds, proofs,
-    Gaussian-only violations and median bounds (Steinke's, f-DP, GDP, the best) are its numbers."""
+    seeds): every group of the committed metrics.json is a row, and each row's seeds, flags (Steinke's
+    proof / the f-DP test), the two proofs' medians, the test's largest p and the two estimates are its
+    numbers."""
     metrics = json.loads((ROOT / "artifacts" / stage / "metrics.json").read_text())
     page = (ROOT / page).read_text()
     section = page[page.index(f"### The DVC stage `{stage}`"):]
     section = section[:section.index("\n#", 1)] if "\n#" in section[1:] else section
     rows = [line.split(" | ") for line in section.splitlines()
-            if line.startswith("| ") and line.count(" | ") == 15 and not line.startswith("| claim")]
+            if line.startswith("| ") and line.count(" | ") == 14 and not line.startswith("| claim")]
     keys = [k.removesuffix(".seeds") for k in metrics if k.endswith(".seeds")]
     assert len(rows) == len(keys) == groups and metrics["runs"] == runs
     assert sum(metrics[k + ".seeds"] for k in keys) == runs
@@ -267,10 +267,14 @@ def test_the_whole_run_audit_table_is_the_committed_metrics(page, stage, runs, g
         claim, model, variant, canaries = cells[0].lstrip("| "), cells[1], cells[2], cells[3]
         key = f"eps{claim}.{model}.{variant}.{canaries}."
         shown.add(key[:-1])
-        assert [int(c) for c in cells[5:8]] == [metrics[key + k] for k in ("seeds", "proofs", "gaussian")], cells
-        assert cells[8].split(" [")[0] == f"{metrics[key + 'eps_lower_median']:.2f}", cells
-        assert cells[9:12] == [f"{metrics[key + k + '_median']:.2f}" for k in ("fdp_eps_lower", "gdp_eps_lower",
-                                                                                 "best_bound")], cells
+        m = {k: metrics[key + k] for k in ("seeds", "flagged", "steinke_proofs", "fdp_proofs")}
+        assert int(cells[5]) == m["seeds"], cells
+        assert cells[6] == f"{m['flagged']} ({m['steinke_proofs']} / {m['fdp_proofs']})", cells
+        assert cells[7].split(" [")[0] == f"{metrics[key + 'eps_lower_median']:.2f}", cells
+        assert cells[8].split(" [")[0] == f"{metrics[key + 'fdp_eps_proved_median']:.2f}", cells
+        assert cells[9] == f"{metrics[key + 'fdp_p_max']:.2g}", cells
+        assert cells[10] == (f"{metrics[key + 'gauss_eps_estimate_median']:.2f} / "
+                             f"{metrics[key + 'gdp_eps_estimate_median']:.2f}"), cells
     assert shown == set(keys)
 
 
