@@ -247,7 +247,8 @@ def test_the_cost_table_is_the_committed_benchmark():
         assert f"| {V:,} | {' | '.join(shown)} |" in text(LM), V
 
 
-@pytest.mark.parametrize("page, stage, runs, groups", [("docs/dpformer.md", "dpformer_audit_run", 43, 11)])
+@pytest.mark.parametrize("page, stage, runs, groups", [("docs/lm.md", "lm_audit_run", 42, 10),
+                                                       ("docs/dpformer.md", "dpformer_audit_run", 43, 11)])
 def test_the_whole_run_audit_table_is_the_committed_metrics(page, stage, runs, groups):
     """The docs' table of a whole-run audit's DVC stage (``python -m pipeline.audit.summary``'s summary over
     seeds): every group of the committed metrics.json is a row, and each row's seeds, flags (Steinke's
